@@ -1,0 +1,141 @@
+"""Engine configuration: what the user asks for, validated once, then read-only.
+
+The engine derives everything it needs here (dtype, max_model_len, block size, KV budget, token budget) so
+that the scheduler, cache manager and model runner share one consistent view.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+# On CPU, the KV pool takes this share of the memory available at start-up, capped at DEFAULT_CPU_KV_CAP.
+DEFAULT_CPU_KV_FRACTION = 0.25
+DEFAULT_CPU_KV_CAP = 4 * 2**30
+# With chunked prefill, one step computes at most this many tokens unless told otherwise.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def parse_size(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string like "4GiB", "512MB", "1.5G"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    else:
+        raise ValueError(f"{name} must be a number of bytes or a size like '4GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return n
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype; float16 becomes bfloat16 on CPU (as vLLM does: CPU fp16 is slow)."""
+    if isinstance(dtype, torch.dtype):
+        chosen = dtype
+    elif dtype == "auto":
+        chosen = checkpoint_dtype
+        if chosen == torch.float16 and device.type == "cpu":
+            chosen = torch.bfloat16
+    elif dtype in _DTYPES:
+        chosen = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    if chosen not in _DTYPES.values():
+        raise ValueError(f"dtype {chosen} is not supported; use one of {sorted(_DTYPES)}")
+    return chosen
+
+
+def auto_block_size(max_model_len: int) -> int:
+    """Block size for block_size="auto": small blocks waste less of a request's last block, large blocks
+    mean shorter block tables. 8 up to 1,024 tokens of context, 16 up to 8,192, else 32."""
+    if max_model_len <= 1024:
+        return 8
+    if max_model_len <= 8192:
+        return 16
+    return 32
+
+
+def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float, non_kv_bytes: int) -> int:
+    """The KV budget when the user gives none.
+
+    CPU: DEFAULT_CPU_KV_FRACTION of the memory available now, at most DEFAULT_CPU_KV_CAP.
+    CUDA: gpu_memory_utilization of the device's total memory, minus what the weights and a profiling
+    forward pass took (``non_kv_bytes``), as vLLM does.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * gpu_memory_utilization) - non_kv_bytes
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache")
+        return budget
+    return int(min(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION, DEFAULT_CPU_KV_CAP))
+
+
+@dataclass
+class EngineConfig:
+    """User-facing engine arguments (the ``LLM(...)`` keywords). See ``finalize`` for derived values."""
+
+    model: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    block_size: int | str = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    device: str | None = None
+    num_threads: int | None = None
+
+    # Derived by finalize():
+    torch_dtype: torch.dtype = field(default=torch.float32, init=False)
+    torch_device: torch.device = field(default=torch.device("cpu"), init=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size != "auto" and self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16, 32 or 'auto', got {self.block_size!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if self.max_num_batched_tokens is not None and (
+                not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def finalize(self, checkpoint_dtype: torch.dtype, model_max_len: int) -> None:
+        """Fix dtype, max_model_len, block size and token budget once the checkpoint is known."""
+        self.torch_dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.torch_device)
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.block_size == "auto":
+            self.block_size = auto_block_size(self.max_model_len)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                                           else self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill=False, or no long prompt could ever run")
+
+
+def default_num_threads() -> int:
+    """Threads for intra-op parallelism: the cores this process may run on (not hyper-threads' doubles)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)

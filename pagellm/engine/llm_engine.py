@@ -1,0 +1,256 @@
+"""LLMEngine: add_request / step / abort.
+
+One step is: scheduler.schedule() -> model_runner.execute() -> update requests (append tokens, detokenize,
+check stops) -> scheduler.finish_request() for those that ended. Data flows one way; the scheduler never sees
+logits and the runner never decides who runs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import EngineConfig, default_kv_cache_memory, default_num_threads
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.request import Request, RequestStatus
+from pagellm.model_executor.layers.attention import TorchPagedAttention
+from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
+from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
+from pagellm.model_executor.models import build_model
+from pagellm.model_executor.sampler import SamplerOutput
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass
+class EngineStats:
+    """Counters for metrics and benchmarks."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    num_used_blocks: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    peak_used_blocks: int = 0
+    kv_slot_efficiency_at_peak: float = 1.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or default_num_threads())
+        t0 = time.perf_counter()
+        dev = config.torch_device
+        dtype_hint = None if config.dtype == "auto" else config.dtype
+        ckpt = load_checkpoint(config.model, dtype_hint)
+        cfg = ckpt.hf_config
+        config.finalize(checkpoint_dtype_of(ckpt), cfg.max_position_embeddings)
+        if ckpt.dtype != config.torch_dtype:
+            ckpt.weights = {k: v.to(config.torch_dtype) for k, v in ckpt.weights.items()}
+        self.hf_config = cfg
+        self.tokenizer = ckpt.tokenizer
+        self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev,
+                                 TorchPagedAttention(), config.max_model_len)
+        del ckpt
+        self.vocab_size = self.model.shape.vocab_size
+        self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)
+
+        per_block = kv_bytes_per_block(self.model.shape, config.block_size, config.torch_dtype)
+        budget = config.kv_cache_memory or default_kv_cache_memory(
+            dev, config.gpu_memory_utilization, torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each at "
+                             f"block_size={config.block_size}); give at least {per_block}")
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev)
+        self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_gen = torch.Generator(device=dev).manual_seed(config.seed)
+        torch.manual_seed(config.seed)
+        logger.info("engine ready in %.1fs: %s %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+                    time.perf_counter() - t0, ckpt_arch(cfg), config.torch_dtype, num_blocks, config.block_size,
+                    self.runner.kv_cache_bytes / 2**20, config.max_model_len)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+        """Validate and queue a request; raise ValueError (engine untouched) if it can never run."""
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: give a string or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self._validate(prompt_token_ids, params)
+        max_model_len = self.config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        req = Request(request_id, prompt, prompt_token_ids, params, max_tokens)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                     params.stop, params.include_stop_str_in_output)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {limit}: the prompt plus at least "
+                             f"one generated token must fit")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"max_model_len={limit}")
+        total = len(ids) + (params.max_tokens if params.max_tokens is not None else limit - len(ids))
+        need = self.kv_manager.blocks_needed(total)
+        if need > self.kv_manager.num_blocks:
+            raise ValueError(f"the request needs up to {need} KV blocks ({total} tokens) but the whole KV cache has "
+                             f"{self.kv_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def reset_stats(self) -> None:
+        """Start counters afresh (benchmarks call this after warm-up)."""
+        self.stats = EngineStats(self.stats.num_blocks, self.stats.block_size, self.stats.kv_cache_bytes)
+        self.scheduler.num_preemptions = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for each request that got a token or finished."""
+        so = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if so.is_empty:
+            return []
+        self._record_kv_usage()
+        for s in so.scheduled:
+            self.stats.prompt_tokens_computed += max(0, min(s.request.num_prompt_tokens - s.start, s.num_tokens))
+        reqs, sampled = self.runner.execute(so)
+        self.stats.num_steps += 1
+        outputs = self._update(reqs, sampled) if reqs else []
+        self.stats.num_used_blocks = self.kv_manager.pool.num_used_blocks
+        return outputs
+
+    def _record_kv_usage(self) -> None:
+        pool = self.kv_manager.pool
+        used = pool.num_used_blocks
+        self.stats.num_used_blocks = used
+        if used > self.stats.peak_used_blocks:
+            live = sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.stats.peak_used_blocks = used
+            self.stats.kv_slot_efficiency_at_peak = live / (used * self.kv_manager.block_size)
+
+    def _update(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
+        tokens = out.sampled.tolist()
+        lp = out.logprob.tolist() if out.logprob is not None else None
+        ranks = out.rank.tolist() if out.rank is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        now = time.monotonic()
+        outputs = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if req.is_finished:  # aborted between schedule and update (async engine)
+                continue
+            req.output_token_ids.append(tok)
+            self.stats.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if lp is not None:
+                req.cumulative_logprob += lp[i]
+                if req.logprobs is not None:
+                    req.logprobs.append(self._logprob_entry(req, tok, lp[i], ranks[i], top_ids[i], top_lp[i]))
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            outputs.append(self.make_output(req))
+            if req.is_finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        params = req.sampling_params
+        past_min = req.num_output_tokens >= params.min_tokens
+        if past_min and tok in params.all_stop_token_ids:
+            req.stop_reason = tok if tok in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.detokenizer is not None:
+            hit = req.detokenizer.step(tok, check_stop=past_min)
+            if hit is not None:
+                req.stop_reason = hit
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _logprob_entry(self, req, tok, lp, rank, top_ids, top_lp) -> dict[int, Logprob]:
+        """The sampled token first, then the request's top-k (rank = position in the top-k)."""
+        k = req.sampling_params.logprobs
+        entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
+        for r, (t, v) in enumerate(zip(top_ids[:k], top_lp[:k]), start=1):
+            entry.setdefault(t, Logprob(v, r, self._decode_one(t)))
+        return entry
+
+    def _decode_one(self, tok: int) -> str | None:
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+
+    def make_output(self, req: Request) -> RequestOutput:
+        detok = req.detokenizer
+        comp = CompletionOutput(index=0, text=detok.text if detok is not None else "",
+                                token_ids=list(req.output_token_ids),
+                                cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                                logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions,
+                   "num_prefill_chunks": req.num_prefill_chunks}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics)
+
+
+def _eos_token_ids(hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def ckpt_arch(cfg) -> str:
+    return (getattr(cfg, "architectures", None) or [cfg.model_type])[0]

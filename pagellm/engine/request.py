@@ -1,0 +1,97 @@
+"""Request: the state of one prompt as it moves through the engine.
+
+A request's tokens are ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` counts those whose K/V
+sit in the cache; each step the scheduler closes part of the gap ``num_tokens - num_computed_tokens``. There is
+no prefill or decode phase: a new prompt has a large gap (prefilled in chunks), a running request a gap of one.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.core.block_pool import KVCacheBlock
+from pagellm.outputs import SampleLogprobs
+from pagellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: sampling_params.max_tokens or what is left of max_model_len
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+
+    # Outputs
+    output_text: str = ""
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the concatenation."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                           RequestStatus.FINISHED_ABORTED):
+            return self.status.value
+        return None

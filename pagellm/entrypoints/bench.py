@@ -1,0 +1,100 @@
+"""``pagellm bench throughput``: the peers' workload format and JSON line, plus pagellm's KV figures."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import threading
+import time
+
+import psutil
+
+
+class PeakRSS:
+    """Samples this process's RSS (plus children) in a thread; the high-water mark in MiB."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.proc = psutil.Process(os.getpid())
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        total = 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval)
+
+    def start(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        own_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(self.peak, own_max) / 2**20
+
+
+def load_workload(path: str) -> tuple[dict, list[list[int]]]:
+    with open(path) as f:
+        d = json.load(f)
+    return d["meta"], d["prompts"]
+
+
+def cmd_throughput(a: argparse.Namespace) -> None:
+    from pagellm import LLM, SamplingParams
+    from pagellm.entrypoints.cli import engine_kwargs
+
+    rss = PeakRSS().start()
+    meta, prompts = load_workload(a.workload)
+    if a.num_prompts:
+        prompts = prompts[:a.num_prompts]
+    out_len = int(meta["output_len"])
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(a))
+    load_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+
+    # Warm-up on different token ids than the workload's, so nothing about the timed run is pre-computed.
+    warm = [[(t + 7) % engine.vocab_size for t in p[:64]] for p in prompts[:4]]
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    engine.reset_stats()
+
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    peak = rss.stop()
+
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_toks = sum(len(p) for p in prompts)
+    st = engine.stats
+    import torch
+    result = {
+        "engine": "pagellm", "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
+        "requests": len(prompts), "prompt_tokens": prompt_toks, "output_tokens": out_toks,
+        "wall_s": round(wall, 3), "output_tok_per_s": round(out_toks / wall, 2),
+        "total_tok_per_s": round((prompt_toks + out_toks) / wall, 2), "peak_rss_mb": round(peak, 1),
+        "kv_slot_efficiency": round(st.kv_slot_efficiency_at_peak, 4),
+        "block_size": engine.config.block_size, "num_kv_blocks": st.num_blocks,
+        "kv_cache_mb": round(st.kv_cache_bytes / 2**20, 1), "peak_kv_blocks_used": st.peak_used_blocks,
+        "preemptions": st.num_preemptions, "prompt_tokens_computed": st.prompt_tokens_computed,
+        "steps": st.num_steps, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()

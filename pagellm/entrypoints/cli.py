@@ -1,0 +1,76 @@
+"""Command line: ``pagellm generate`` and ``pagellm bench throughput``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", default="16", help="8, 16, 32 or auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    bs = a.block_size if a.block_size == "auto" else int(a.block_size)
+    return dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, block_size=bs,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory, seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(a))
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.sampling_seed)
+    prompts = a.prompts
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        if len(prompts) > 1:
+            print(f"### {p}")
+        print(o.outputs[0].text)
+        if len(prompts) > 1:
+            print()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    ap = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one or more prompts and print the completions")
+    g.add_argument("prompts", nargs="+")
+    _engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput on a token-id workload (one JSON line)")
+    t.add_argument("--workload", required=True, help="workload JSON: {meta: {output_len}, prompts: [[ids]]}")
+    t.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    _engine_args(t)
+    from pagellm.entrypoints.bench import cmd_throughput
+    t.set_defaults(func=cmd_throughput)
+
+    a = ap.parse_args(argv)
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Model runner: SchedulerOutput -> input tensors (positions, slot mapping, block tables) -> logits -> tokens.
+
+It owns the model, the KV cache tensor (allocated once from a byte budget) and the sampler. Inputs are built
+for the whole step with numpy array arithmetic; the only per-request Python work is gathering each request's
+new token ids and block ids.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagellm.core.scheduler import SchedulerOutput
+from pagellm.model_executor.layers.attention import AttentionMetadata
+from pagellm.model_executor.models.llama import LlamaForCausalLM, ModelShape
+from pagellm.model_executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = model.shape.vocab_size
+        s = model.shape
+        # One tensor for all layers: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
+                                    dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, so: SchedulerOutput):
+        sched = so.scheduled
+        bs = self.block_size
+        q_lens = np.fromiter((s.num_tokens for s in sched), dtype=np.int64, count=len(sched))
+        starts = np.fromiter((s.start for s in sched), dtype=np.int64, count=len(sched))
+        seq_lens = starts + q_lens
+        cu = np.zeros(len(sched) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+
+        token_ids = np.empty(total, dtype=np.int64)
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_tables = np.zeros((len(sched), max_blocks), dtype=np.int64)
+        for i, s in enumerate(sched):
+            token_ids[cu[i]:cu[i + 1]] = s.request.token_at(s.start, s.start + s.num_tokens)
+            n = -(-int(seq_lens[i]) // bs)
+            block_tables[i, :n] = [b.block_id for b in s.request.blocks[:n]]
+
+        req_of_token = np.repeat(np.arange(len(sched)), q_lens)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][req_of_token] + starts[req_of_token]
+        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+
+        samples = np.fromiter((s.samples for s in sched), dtype=bool, count=len(sched))
+        logits_indices = cu[1:][samples] - 1
+        decode_rows = np.nonzero(q_lens == 1)[0]
+        prefill_rows = np.nonzero(q_lens > 1)[0].tolist()
+
+        dev = self.device
+        t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
+            query_start_loc=t(cu), block_size=bs, seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),
+            query_lens_list=q_lens.tolist(), decode_rows=t(decode_rows), prefill_rows=prefill_rows,
+            max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0)
+        return t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f]
+
+    def _sampling_metadata(self, reqs) -> SamplingMetadata:
+        dev = self.device
+        params = [r.sampling_params for r in reqs]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        all_greedy = all(p.greedy for p in params)
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None and not r.sampling_params.greedy}
+
+        prompt_ids = output_ids = rep = pres = freq = None
+        if any(p.uses_penalties for p in params):
+            prompt_ids = _pad([r.prompt_token_ids for r in reqs], dev)
+            output_ids = _pad([r.output_token_ids for r in reqs], dev)
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
+
+        rows, toks = [], []
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.sampling_params.min_tokens:
+                stop_ids = r.sampling_params.all_stop_token_ids
+                rows += [i] * len(stop_ids)
+                toks += sorted(stop_ids)
+        stop_rows = torch.tensor(rows, dtype=torch.int64, device=dev) if rows else None
+        stop_toks = torch.tensor(toks, dtype=torch.int64, device=dev) if rows else None
+
+        nlp = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=temperature.to(dev), all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+            generators=generators, prompt_token_ids=prompt_ids, output_token_ids=output_ids,
+            repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+            stop_mask_rows=stop_rows, stop_mask_tokens=stop_toks, max_num_logprobs=max(nlp) if nlp else None)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> tuple[list, SamplerOutput | None]:
+        """Run one step; returns the requests that sampled a token (in row order) and the sampler's output."""
+        input_ids, positions, meta, logits_indices, sampling_reqs = self._prepare(so)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if not sampling_reqs:
+            return [], None
+        return sampling_reqs, self.sampler(logits, self._sampling_metadata(sampling_reqs))
+
+
+def _pad(rows: list[list[int]], device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return torch.from_numpy(out).to(device)

@@ -1,0 +1,33 @@
+"""Model construction: architecture name -> our model class, built without random init, weights loaded."""
+from __future__ import annotations
+
+import torch
+
+from pagellm.model_executor.layers.attention import AttentionBackend
+from pagellm.model_executor.models.llama import LlamaForCausalLM
+
+# Every supported architecture is a Llama-family decoder with small switches (see models/llama.py).
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device, backend: AttentionBackend, max_position: int) -> LlamaForCausalLM:
+    """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights."""
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = MODEL_CLASSES[architecture](hf_config, architecture, backend, max_position)
+    finally:
+        torch.set_default_dtype(old)
+    model.to_empty(device=device)
+    model.rotary.build_tables(device)
+    model.load_weights(weights)
+    return model.eval()

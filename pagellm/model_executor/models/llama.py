@@ -1,0 +1,176 @@
+"""Llama-family decoder (Llama 1/2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over flattened tokens.
+
+The architectures differ only in small switches read from the HF config:
+  - Qwen2: bias on q/k/v projections;           - Qwen3: RMSNorm on each head of q and k before rope;
+  - Mistral / Qwen sliding-window layers;        - tied input/output embeddings.
+Q/K/V and gate/up projections are fused into one matmul each; ``load_weights`` fuses HF's separate tensors.
+Activations are [num_tokens, hidden]: there is no batch dimension, requests are told apart by the attention
+metadata only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
+from pagellm.model_executor.layers.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """As HF's LlamaRMSNorm: normalise in fp32, scale in the activation dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class ModelShape:
+    """The numbers a model and its KV cache are built from, read once from the HF config."""
+
+    def __init__(self, cfg, architecture: str) -> None:
+        self.architecture = architecture
+        self.hidden_size = cfg.hidden_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.intermediate_size = cfg.intermediate_size
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
+        self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False))
+        self.mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.max_position_embeddings = cfg.max_position_embeddings
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            self.sliding_windows = [window if t == "sliding_attention" else None for t in layer_types]
+        else:  # Mistral: one window for every layer (None when disabled)
+            self.sliding_windows = [window] * self.num_layers
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
+        self.q_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
+        self.scale = s.head_dim ** -0.5
+        self.sliding_window = s.sliding_windows[layer_idx]
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.intermediate_size = s.intermediate_size
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.self_attn = Attention(s, layer_idx, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, architecture: str, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        s = self.shape = ModelShape(hf_config, architecture)
+        self.rotary = RotaryEmbedding(hf_config, s.head_dim, max(max_position, 1))
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s, i, self.rotary, backend) for i in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.eps)
+        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (fp32)."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        x = self.norm(x[logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set exactly once."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            p = params[name]
+            if p.shape != tensor.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+            p.copy_(tensor)
+            loaded.add(name)
+
+        def need(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing weight {name!r}")
+            return weights[name]
+
+        put("embed_tokens.weight", need("model.embed_tokens.weight"))
+        put("norm.weight", need("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", need("lm_head.weight"))
+        for i in range(self.shape.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for suffix in ("weight", "bias"):
+                if f"{dst}self_attn.qkv_proj.{suffix}" in params:
+                    put(f"{dst}self_attn.qkv_proj.{suffix}", torch.cat(
+                        [need(f"{src}self_attn.{p}_proj.{suffix}") for p in "qkv"]))
+                if f"{dst}mlp.gate_up_proj.{suffix}" in params:
+                    put(f"{dst}mlp.gate_up_proj.{suffix}", torch.cat(
+                        [need(f"{src}mlp.{p}_proj.{suffix}") for p in ("gate", "up")]))
+                for name in ("self_attn.o_proj", "mlp.down_proj"):
+                    if f"{dst}{name}.{suffix}" in params:
+                        put(f"{dst}{name}.{suffix}", need(f"{src}{name}.{suffix}"))
+            for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+                if f"{dst}{name}.weight" in params:
+                    put(f"{dst}{name}.weight", need(f"{src}{name}.weight"))
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"parameters not loaded from the checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,94 @@
+"""Sampling parameters with vLLM's names, defaults and validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion (vLLM-compatible subset).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes a request's
+    random draws reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled in by the engine: all token ids that end the request (EOS + stop_token_ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if not 0.0 <= self.temperature:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "-1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20] or None")
+        if not 0.0 < self.repetition_penalty:
+            raise bad("repetition_penalty", "> 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

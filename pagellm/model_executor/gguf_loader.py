@@ -1,0 +1,438 @@
+"""Reading a single-file GGUF checkpoint (llama.cpp format) into HF-named torch tensors.
+
+* The header is parsed by :class:`GGUFFile` (a lean equivalent of ``gguf.GGUFReader``, which
+  spends ~2.5 s materializing the vocabulary arrays); tensors are memory-mapped views that are
+  dequantized with ``gguf.quants.dequantize`` (every type the ``gguf`` package implements:
+  F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants, ...) to float32 numpy, then converted
+  to the requested torch dtype.
+* GGUF names are mapped to transformers parameter names (``blk.N.attn_q.weight`` ->
+  ``model.layers.N.self_attn.q_proj.weight`` ...).
+* llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (weights and biases)
+  for the ``llama`` GGUF architecture, which is also what Llama- and Mistral-family HF
+  checkpoints are converted to. That permutation is undone here exactly as transformers'
+  ``LlamaTensorProcessor`` does. ``qwen2`` / ``qwen3`` are converted unpermuted.
+* The config is rebuilt from the GGUF metadata directly (equivalent to
+  ``AutoConfig.from_pretrained(dir, gguf_file=name)`` for these architectures, but without
+  transformers' legacy metadata parser, which takes ~6 s on a 49k-token vocabulary), plus
+  ``head_dim`` from ``<arch>.attention.key_length`` (transformers ignores it for qwen3)
+  and ``architectures``. The tokenizer class is picked the way ``AutoTokenizer`` picks it
+  and built with ``cls.from_pretrained(dir, gguf_file=name)`` (which reads
+  ``tokenizer.chat_template`` too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+import gguf
+from gguf import GGMLQuantizationType, GGUFValueType
+
+logger = logging.getLogger(__name__)
+
+# GGUF ``general.architecture`` -> (transformers model_type, HF architecture class name)
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),  # Llama and Mistral GGUFs both use "llama"
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# architectures whose attn_q / attn_k rows llama.cpp's converter permutes (see transformers'
+# TENSOR_PROCESSORS: only "llama" among the ones we support)
+PERMUTED_QK_ARCHITECTURES = {"llama"}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# tensors that exist in some GGUFs but have no transformers parameter
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+# metadata arrays longer than this are summarized by their length (the vocabulary and merges
+# are read by the tokenizer builder, not here)
+_MAX_METADATA_ARRAY = 1024
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_PLAIN_NUMPY_TYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The transformers parameter name for a GGUF tensor name, or None if unknown."""
+    if m := _LAYER_RE.match(name):
+        layer, part, kind = m.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return None
+    if (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+class _GGUFFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its raw data is a read-only view into the memory-mapped file."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order ([out, in]); GGUF stores dimensions reversed
+    data: np.ndarray  # F32/F16/F64/I*: typed and shaped like ``shape``; otherwise uint8 blocks
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, parsed without touching tensor data.
+
+    Same result as ``gguf.GGUFReader`` (the tests check tensor for tensor), but GGUFReader
+    materializes every element of the vocabulary / merges arrays as numpy views, which takes
+    ~2.5 s on a 49k-token vocabulary; here long arrays are skipped and summarized by length.
+    Any malformed or truncated content raises ValueError naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        try:
+            self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:  # e.g. an empty file cannot be mapped
+            raise ValueError(f"{self.path}: not a valid GGUF file: cannot map it: {e}") from e
+        try:
+            self._parse()
+        except _GGUFFormatError:
+            raise
+        except Exception as e:  # struct.error on a short read, UnicodeDecodeError, ...
+            raise ValueError(
+                f"{self.path}: not a valid GGUF file (corrupt or truncated?): {type(e).__name__}: {e}"
+            ) from e
+
+    def _fail(self, what: str) -> ValueError:
+        return _GGUFFormatError(f"{self.path}: not a valid GGUF file: {what}")
+
+    def _unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self._buf, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (n,) = self._unpack("<Q")
+        if self._pos + n > len(self._buf):
+            raise self._fail(f"string at offset {self._pos} runs past the end of the file (truncated?)")
+        s = bytes(self._buf[self._pos:self._pos + n]).decode("utf-8")
+        self._pos += n
+        return s
+
+    def _value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self._unpack(_SCALAR_FORMATS[vtype])[0]
+        if vtype == GGUFValueType.STRING:
+            return self._string()
+        if vtype != GGUFValueType.ARRAY:
+            raise self._fail(f"unknown metadata value type {vtype} at offset {self._pos}")
+        etype, count = self._unpack("<IQ")
+        if etype in _SCALAR_FORMATS:
+            width = struct.calcsize(_SCALAR_FORMATS[etype])
+            if self._pos + count * width > len(self._buf):
+                raise self._fail(f"array at offset {self._pos} runs past the end of the file (truncated?)")
+            start, self._pos = self._pos, self._pos + count * width
+            if count > _MAX_METADATA_ARRAY:
+                return count
+            return list(struct.unpack_from(f"<{count}{_SCALAR_FORMATS[etype][1:]}", self._buf, start))
+        if etype == GGUFValueType.STRING:
+            if count > _MAX_METADATA_ARRAY:
+                for _ in range(count):  # variable length: walk it
+                    (n,) = self._unpack("<Q")
+                    self._pos += n
+                if self._pos > len(self._buf):
+                    raise self._fail("string array runs past the end of the file (truncated?)")
+                return count
+            return [self._string() for _ in range(count)]
+        raise self._fail(f"unsupported metadata array element type {etype}")
+
+    def _parse(self) -> None:
+        buf = self._buf
+        if len(buf) < 24 or bytes(buf[:4]) != b"GGUF":
+            raise self._fail("missing GGUF magic bytes" if len(buf) >= 4 else f"only {len(buf)} bytes")
+        self._pos = 4
+        (version,) = self._unpack("<I")
+        if version & 0xFFFF == 0:
+            raise self._fail("big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise self._fail(f"unsupported GGUF version {version} (supported: 2, 3)")
+        n_tensors, n_kv = self._unpack("<QQ")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            (vtype,) = self._unpack("<I")
+            self.metadata[key] = self._value(vtype)
+        alignment = self.metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise self._fail(f"invalid general.alignment {alignment!r}")
+        table = []
+        for _ in range(n_tensors):
+            name = self._string()
+            (n_dims,) = self._unpack("<I")
+            dims = self._unpack(f"<{n_dims}Q")
+            raw_type, offset = self._unpack("<IQ")
+            table.append((name, dims, raw_type, offset))
+        data_start = -(-self._pos // alignment) * alignment
+        self.tensors: list[GGUFTensor] = []
+        seen = set()
+        for name, dims, raw_type, offset in table:
+            if name in seen:
+                raise self._fail(f"duplicate tensor name {name!r}")
+            seen.add(name)
+            try:
+                qtype = GGMLQuantizationType(raw_type)
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise self._fail(f"tensor {name!r} has unknown ggml type {raw_type}") from None
+            shape = tuple(int(d) for d in reversed(dims))
+            n_elems = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if shape and shape[-1] % block:
+                raise self._fail(f"tensor {name!r} of type {qtype.name}: row length {shape[-1]} is not a "
+                                 f"multiple of the block size {block}")
+            n_bytes = n_elems // block * type_size
+            start = data_start + offset
+            if start + n_bytes > len(buf):
+                raise self._fail(
+                    f"tensor {name!r} needs bytes [{start}, {start + n_bytes}) but the file has only "
+                    f"{len(buf)} bytes (truncated?)"
+                )
+            raw = buf[start:start + n_bytes]
+            if qtype in _PLAIN_NUMPY_TYPES:
+                data = raw.view(_PLAIN_NUMPY_TYPES[qtype]).reshape(shape)
+            else:
+                data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype) if shape else (n_bytes,))
+            self.tensors.append(GGUFTensor(name, qtype, shape, data))
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse ``path``'s header; FileNotFoundError if missing, ValueError if malformed/truncated."""
+    return GGUFFile(path)
+
+
+def read_metadata(gguf_file: GGUFFile) -> dict[str, Any]:
+    """Metadata key -> python value; long arrays (vocab, merges) are replaced by their length."""
+    return dict(gguf_file.metadata)
+
+
+def dequantize_tensor(tensor: GGUFTensor, source: str | os.PathLike = "") -> np.ndarray:
+    """One GGUF tensor as a C-contiguous, writable float32 array shaped ``tensor.shape``."""
+    qtype = tensor.tensor_type
+    try:
+        if qtype in _PLAIN_NUMPY_TYPES and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            arr = np.asarray(tensor.data).astype(np.float32)  # F64 / integer tensors
+        else:
+            arr = gguf.quants.dequantize(tensor.data, qtype)
+        arr = arr.reshape(tensor.shape)
+    except Exception as e:
+        raise ValueError(
+            f"{source}: cannot dequantize tensor {tensor.name!r} of type {qtype.name} "
+            f"(shape {list(tensor.shape)}): {type(e).__name__}: {e}"
+        ) from e
+    if arr.dtype != np.float32 or not arr.flags.writeable or not arr.flags.c_contiguous:
+        arr = np.array(arr, dtype=np.float32, order="C")  # (also detaches F32 data from the read-only map)
+    return arr
+
+
+def _to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(arr).to(dtype)
+
+
+def read_gguf_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """All tensors of a GGUF file keyed by their GGUF names, dequantized to ``dtype`` (no renaming
+    or un-permuting)."""
+    f = open_gguf(path)
+    return {t.name: _to_torch(dequantize_tensor(t, f.path), dtype) for t in f.tensors}
+
+
+def reverse_permute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute(w, n_head, n_head_kv)`` on the rows of a q/k weight or bias.
+
+    llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``.
+    """
+    rows = weights.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
+    w = weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
+
+
+def _supported_list() -> str:
+    return ", ".join(f"{k} ({v[1]})" for k, v in GGUF_ARCHITECTURES.items())
+
+
+def gguf_architecture(meta: dict[str, Any], source: str | pathlib.Path) -> tuple[str, str, str]:
+    """``(gguf_arch, model_type, hf_architecture)``; ValueError if unsupported."""
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{source}: GGUF metadata has no general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported GGUF architectures: {_supported_list()}"
+        )
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(
+            f"{source}: GGUF architecture {arch!r} with {meta[f'{arch}.expert_count']} experts (mixture of "
+            f"experts) is not supported; supported: dense {_supported_list()}"
+        )
+    return arch, *GGUF_ARCHITECTURES[arch]
+
+
+def gguf_config(
+    meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], source: str | pathlib.Path
+) -> transformers.PretrainedConfig:
+    """A transformers config rebuilt from GGUF metadata (and tensor names for biases / tying)."""
+    arch, model_type, hf_arch = gguf_architecture(meta, source)
+
+    def key(name: str, default: Any = ...) -> Any:
+        full = f"{arch}.{name}"
+        if full in meta:
+            return meta[full]
+        if default is ...:
+            raise ValueError(f"{source}: GGUF metadata lacks required key {full!r}")
+        return default
+
+    hidden = int(key("embedding_length"))
+    n_head = int(key("attention.head_count"))
+    head_dim = key("attention.key_length", None)
+    if head_dim is None and arch == "llama":
+        head_dim = key("rope.dimension_count", None)
+    head_dim = int(head_dim) if head_dim is not None else hidden // n_head
+
+    vocab = key("vocab_size", None)
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = tokens if isinstance(tokens, int) else len(tokens) if tokens else None
+    if vocab is None and "token_embd.weight" in tensor_shapes:
+        vocab = tensor_shapes["token_embd.weight"][0]
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    scaling = key("rope.scaling.type", None)
+    if scaling in ("linear", "yarn") and key("rope.scaling.factor", None):
+        rope.update(rope_type=scaling, factor=float(key("rope.scaling.factor")))
+        if scaling == "yarn" and key("rope.scaling.original_context_length", None):
+            rope["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{source}: unsupported RoPE scaling type {scaling!r} in GGUF metadata")
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        hidden_size=hidden,
+        num_hidden_layers=int(key("block_count")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        rope_parameters=rope,
+        # llama.cpp writes output.weight only when it differs from the embedding
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+    )
+    if vocab is not None:
+        kwargs["vocab_size"] = int(vocab)
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
+        if (v := meta.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+            kwargs[hf_key] = int(v)
+    if model_type in ("llama", "qwen3"):
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    if model_type == "llama":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as e:
+        raise ValueError(f"{source}: cannot build a {model_type} config from GGUF metadata: {e}") from e
+
+
+def gguf_tokenizer(
+    path: pathlib.Path, config: transformers.PretrainedConfig, meta: dict[str, Any]
+) -> transformers.PreTrainedTokenizerBase | None:
+    """The fast tokenizer described by the GGUF metadata (None if it has none)."""
+    if "tokenizer.ggml.model" not in meta:
+        return None
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    # the class AutoTokenizer would choose for this config (Qwen2Tokenizer for qwen2/qwen3,
+    # TokenizersBackend for llama/mistral), without AutoTokenizer re-parsing the config
+    cls = TOKENIZER_MAPPING.get(type(config), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.TokenizersBackend)):
+        cls = transformers.TokenizersBackend
+    try:
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot build the tokenizer from GGUF metadata: {type(e).__name__}: {e}") from e
+
+
+def load_gguf(
+    path: pathlib.Path, dtype: torch.dtype
+) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None]:
+    """``(config, hf_architecture, weights, tokenizer)`` from a single GGUF file."""
+    gguf_file = open_gguf(path)
+    meta = read_metadata(gguf_file)
+    arch, _, hf_arch = gguf_architecture(meta, path)
+    shapes = {t.name: t.shape for t in gguf_file.tensors}
+    config = gguf_config(meta, shapes, path)
+
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in gguf_file.tensors:
+        if tensor.name in _IGNORED_TENSORS:
+            logger.warning(
+                "%s: ignoring GGUF tensor %s (llama3-style RoPE frequency factors are not reconstructed "
+                "into the config)", path, tensor.name,
+            )
+            continue
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(
+                f"{path}: unexpected GGUF tensor {tensor.name!r} for architecture {arch!r} "
+                f"(unsupported model variant?); supported: {_supported_list()}"
+            )
+        arr = dequantize_tensor(tensor, path)
+        if arch in PERMUTED_QK_ARCHITECTURES:
+            part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+            if part == "attn_q":
+                arr = reverse_permute_qk(arr, config.num_attention_heads)
+            elif part == "attn_k":
+                arr = reverse_permute_qk(arr, config.num_key_value_heads)
+        weights[hf_name] = _to_torch(arr, dtype)
+    tokenizer = gguf_tokenizer(path, config, meta)
+    return config, hf_arch, weights, tokenizer

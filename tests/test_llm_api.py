@@ -1,0 +1,138 @@
+"""The offline API on the default model: strings, chat, stop strings, bad input next to good requests, CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import pathlib
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+WORKLOAD_16 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "workload_16.json"
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(model=None, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+
+
+def _pool_whole(llm):
+    pool = llm.llm_engine.kv_manager.pool
+    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_string_prompts_keep_input_order_and_fields(llm):
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    tok = llm.get_tokenizer()
+    for o in outs:
+        assert o.prompt_token_ids == tok.encode(o.prompt)
+        c = o.outputs[0]
+        assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 8
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    assert "Paris" in outs[0].outputs[0].text
+    assert _pool_whole(llm)
+
+
+def test_chat_applies_the_template(llm):
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected and "<|im_start|>assistant" in out.prompt
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # the model ends its turn with <|im_end|> (EOS)
+
+
+def test_stop_strings_across_token_boundaries(llm):
+    prompt = "Count: 1, 2, 3, 4, 5, 6,"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 10
+    stop = text[4:9]  # a piece of text that may span several tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[:text.index(stop)]
+    inc = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=stop,
+                                              include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == text[:text.index(stop) + len(stop)]
+
+
+def test_bad_input_is_rejected_and_other_requests_still_finish(llm):
+    engine = llm.llm_engine
+    good_prompts = [{"prompt_token_ids": list(range(20, 60))}, {"prompt_token_ids": list(range(100, 110))}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(good_prompts, params, use_tqdm=False)]
+
+    ids = [engine.add_request(prompt_token_ids=p["prompt_token_ids"], sampling_params=params) for p in good_prompts]
+    engine.step()  # the good requests are running when the bad ones arrive
+    vocab = engine.vocab_size
+    bad = [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[5] * 2048), "max_model_len"),
+        (dict(prompt_token_ids=[5, vocab]), "vocabulary"),
+        (dict(prompt_token_ids=[5, -1]), "vocabulary"),
+        (dict(prompt_token_ids=[5] * 100, sampling_params=SamplingParams(max_tokens=2000)), "max_tokens"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(**kwargs)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request(prompt_token_ids=[5, 6], sampling_params=SamplingParams(top_p=2.0))
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert [done[i] for i in ids] == expected
+    assert _pool_whole(llm)
+
+
+def test_generate_rejects_a_bad_prompt_before_running_any(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert _pool_whole(llm)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    rid = engine.add_request(prompt_token_ids=list(range(30, 330)), sampling_params=SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv_manager.pool.num_used_blocks > 0
+    assert engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert _pool_whole(llm)
+
+
+def test_request_that_exceeds_the_whole_pool_is_rejected(gguf_path):
+    small = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory=4 * 737280)  # 4 blocks of 16 tokens
+    with pytest.raises(ValueError, match="KV blocks"):
+        small.generate({"prompt_token_ids": list(range(40, 100))}, SamplingParams(max_tokens=10), use_tqdm=False)
+    out = small.generate({"prompt_token_ids": list(range(40, 60))}, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+    assert small.llm_engine.stats.kv_cache_bytes == 4 * 737280
+
+
+def test_cli_generate_and_bench(gguf_path, tmp_path):
+    run = lambda *args: subprocess.run([sys.executable, "-m", "pagellm", *args], capture_output=True, text=True,  # noqa
+                                       timeout=600)
+    r = run("generate", "The capital of France is", "--max-tokens", "6", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    if not WORKLOAD_16.exists():
+        pytest.skip("shared workloads not present")
+    r = run("bench", "throughput", "--workload", str(WORKLOAD_16), "--num-prompts", "4", "--dtype", "bfloat16",
+            "--kv-cache-memory", "512MiB")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("engine", "dtype", "requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_per_s",
+                "total_tok_per_s", "peak_rss_mb", "kv_slot_efficiency"):
+        assert key in res
+    assert res["requests"] == 4 and res["output_tokens"] == 4 * 128 and res["dtype"] == "bfloat16"
+    assert 0.9 <= res["kv_slot_efficiency"] <= 1.0
+

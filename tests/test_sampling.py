@@ -1,0 +1,154 @@
+"""Sampling semantics through the real engine (tiny random Llama) and the sampler's tensor functions."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+from pagellm.model_executor.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    return path, LLM(model=str(path), dtype="float32", kv_cache_memory="64MiB")
+
+
+def _prompts(n, seed=3):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(4, 60))]} for _ in range(n)]
+
+
+def _gen(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny):
+    _, llm = tiny
+    prompts = _prompts(6)
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _gen(llm, prompts[:1], params)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = _gen(llm, prompts, [params] + [unseeded] * 5)[0].outputs[0].token_ids
+    again = _gen(llm, prompts[:1], params)[0].outputs[0].token_ids
+    assert alone == batch == again
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=99, max_tokens=20, ignore_eos=True)
+    assert _gen(llm, prompts[:1], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_temperature_are_greedy(tiny):
+    _, llm = tiny
+    prompts = _prompts(4)
+    greedy = [o.outputs[0].token_ids for o in _gen(llm, prompts, SamplingParams(temperature=0, max_tokens=12))]
+    topk1 = [o.outputs[0].token_ids for o in _gen(llm, prompts, SamplingParams(temperature=0.8, top_k=1,
+                                                                                max_tokens=12))]
+    assert topk1 == greedy
+
+
+def test_sampling_follows_the_distribution(tiny):
+    """First-token frequencies over many seeded draws match softmax(logits / T) from HF's own forward pass."""
+    path, llm = tiny
+    prompt = _prompts(1, seed=11)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt["prompt_token_ids"]])).logits[0, -1]
+    probs = (logits / 2.0).softmax(-1)
+    n = 400
+    outs = _gen(llm, [prompt] * n, [SamplingParams(temperature=2.0, max_tokens=1, seed=s) for s in range(n)])
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outs]), minlength=probs.numel())
+    top = probs.argmax()
+    expected = probs[top].item() * n
+    assert abs(counts[top].item() - expected) < 5 * math.sqrt(expected) + 3
+    assert counts[probs < 1e-6].sum() == 0
+
+
+def test_max_tokens_stop_token_ids_and_min_tokens(tiny):
+    _, llm = tiny
+    prompt = _prompts(1, seed=5)
+    base = _gen(llm, prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 16
+    stop_tok = base.token_ids[5]
+    first = base.token_ids.index(stop_tok)
+    out = _gen(llm, prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                           stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens masks the stop token until enough tokens exist, so the output continues past it.
+    out = _gen(llm, prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=first + 2,
+                                           stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert len(out.token_ids) >= first + 2
+    assert stop_tok not in out.token_ids[:first + 2]
+
+
+def test_logprobs_match_hf(tiny):
+    path, llm = tiny
+    prompt = _prompts(1, seed=8)[0]
+    out = _gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=4))[0].outputs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = prompt["prompt_token_ids"] + out.token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert len(out.logprobs) == 3
+    total = 0.0
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt["prompt_token_ids"]) - 1 + i]
+        assert entry[tok].rank == 1
+        assert entry[tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+        top = row.topk(4)
+        assert set(entry) == set(top.indices.tolist())
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-4)
+        total += entry[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def _meta(r, **kw):
+    base = dict(temperature=torch.ones(r), all_greedy=False, top_k=None, top_p=None, min_p=None, generators={},
+                prompt_token_ids=None, output_token_ids=None, repetition_penalty=None, presence_penalty=None,
+                frequency_penalty=None, stop_mask_rows=None, stop_mask_tokens=None, max_num_logprobs=None)
+    base.update(kw)
+    return SamplingMetadata(**base)
+
+
+def test_penalties_follow_vllm_semantics():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 10)
+    prompt = torch.tensor([[1, 2, -1], [3, -1, -1]])
+    output = torch.tensor([[2, 2, 4], [5, -1, -1]])
+    m = _meta(2, prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=torch.tensor([1.5, 1.0]),
+              presence_penalty=torch.tensor([0.0, 0.7]), frequency_penalty=torch.tensor([0.3, 0.0]))
+    got = apply_penalties(logits, m)
+    want = logits.clone()
+    for t in (1, 2, 4):  # row 0: repetition on prompt+output tokens, frequency on output counts
+        want[0, t] = want[0, t] / 1.5 if want[0, t] > 0 else want[0, t] * 1.5
+    want[0, 2] -= 0.3 * 2
+    want[0, 4] -= 0.3 * 1
+    want[1, 5] -= 0.7  # row 1: presence on output tokens only
+    assert torch.allclose(got, want)
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.4, 0.3, 0.2, 0.1], [0.7, 0.2, 0.06, 0.04]]))
+    m = _meta(3, top_k=torch.tensor([2, 0, 0]), top_p=torch.tensor([1.0, 0.6, 1.0]),
+              min_p=torch.tensor([0.0, 0.0, 0.1]))
+    kept = torch.isfinite(apply_top_k_top_p_min_p(logits, m))
+    assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
+    ("min_tokens", -1), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0), ("n", 0), ("n", 2), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)

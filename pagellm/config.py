@@ -96,6 +96,7 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None
     num_threads: int | None = None
+    attention_backend: str = "auto"  # "auto" (C++ kernel on CPU when it builds, else torch), "cpu", "torch"
 
     # Derived by finalize():
     torch_dtype: torch.dtype = field(default=torch.float32, init=False)
@@ -113,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "cpu", "torch"):
+            raise ValueError(f"attention_backend must be 'auto', 'cpu' or 'torch', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

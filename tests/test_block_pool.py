@@ -292,9 +292,8 @@ def test_allocate_all_or_nothing_and_peak(num_blocks, sizes):
     assert queue_ids(pool.free_queue) == never_used + [b.block_id for b in reversed(held)]
 
 
-@pytest.mark.xfail(reason="BlockPool.free/incref are not atomic: on ValueError the entries before the bad one "
-                          "have already been applied (see report)", strict=False)
 def test_free_with_a_bad_entry_is_atomic():
+    """A free that raises changes nothing (as allocate guarantees)."""
     pool = BlockPool(4)
     a, b = pool.allocate(2)
     with pytest.raises(ValueError):

@@ -196,15 +196,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         return [r for r in self.requests if not r.is_finished]
 
     @precondition(lambda self: len(self.unfinished()) < 12)
-    @rule(data=st.data())
-    def add_request(self, data):
-        p, m = data.draw(request_shape(self.capacity), label="prompt_len, max_tokens")
-        req = make_request(len(self.requests), p, m)
-        self.requests.append(req)
-        self.sched.add_request(req)
-        assert req.status == RequestStatus.WAITING and self.sched.waiting[-1] is req
+    @rule(data=st.data(), k=st.integers(1, 4))
+    def add_requests(self, data, k):
+        """k requests arrive (several at once, to build up memory pressure)."""
+        for _ in range(k):
+            p, m = data.draw(request_shape(self.capacity), label="prompt_len, max_tokens")
+            req = make_request(len(self.requests), p, m)
+            self.requests.append(req)
+            self.sched.add_request(req)
+            assert req.status == RequestStatus.WAITING and self.sched.waiting[-1] is req
 
-    @rule(n=st.integers(1, 8))
+    @rule(n=st.integers(1, 16))
     def step(self, n):
         """n engine steps (several per rule so that requests grow far enough to exhaust the pool)."""
         for _ in range(n):

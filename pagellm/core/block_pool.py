@@ -10,6 +10,7 @@ will need that to revive a cached block that sits in the queue — and so that f
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -108,16 +109,21 @@ class BlockPool:
         return out
 
     def incref(self, blocks: list[KVCacheBlock]) -> None:
+        """Add one reference per entry (all or nothing)."""
         for b in blocks:
             if b.ref_cnt == 0:
                 raise ValueError(f"{b} is free; take it with allocate()")
+        for b in blocks:
             b.ref_cnt += 1
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop one reference per block; pass a request's blocks tail-first so its tail is reused first."""
-        for b in blocks:
-            if b.ref_cnt <= 0:
+        """Drop one reference per entry (all or nothing); pass a request's blocks tail-first so that its tail is
+        reused first."""
+        drops = Counter(blocks)
+        for b, n in drops.items():
+            if b.ref_cnt < n:
                 raise ValueError(f"double free of {b}")
+        for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)

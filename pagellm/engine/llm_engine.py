@@ -18,7 +18,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.request import Request, RequestStatus
-from pagellm.model_executor.layers.attention import TorchPagedAttention
+from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
 from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
 from pagellm.model_executor.models import build_model
@@ -64,7 +64,7 @@ class LLMEngine:
         self.hf_config = cfg
         self.tokenizer = ckpt.tokenizer
         self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev,
-                                 TorchPagedAttention(), config.max_model_len)
+                                 select_backend(config.attention_backend, dev), config.max_model_len)
         del ckpt
         self.vocab_size = self.model.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)

@@ -69,7 +69,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
             query_start_loc=t(cu), block_size=bs, seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),
-            query_lens_list=q_lens.tolist(), decode_rows=t(decode_rows), prefill_rows=prefill_rows,
+            query_lens_list=q_lens.tolist(), decode_q_idx=t(cu[:-1][decode_rows]),
+            decode_block_tables=t(np.ascontiguousarray(block_tables[decode_rows])),
+            decode_seq_lens=t(seq_lens[decode_rows]), prefill_rows=prefill_rows,
             max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0)
         return t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f]
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -28,9 +32,12 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     query_start_list: list[int]
     query_lens_list: list[int]
-    decode_rows: torch.Tensor  # [Rd] request indices with exactly one query token
-    prefill_rows: list[int]  # request indices with more than one query token
+    # Decode rows (exactly one query token), gathered once per step for all layers:
+    decode_q_idx: torch.Tensor  # [Rd] their query row in the flattened batch
+    decode_block_tables: torch.Tensor  # [Rd, max_blocks] contiguous
+    decode_seq_lens: torch.Tensor  # [Rd]
     max_decode_seq_len: int
+    prefill_rows: list[int]  # request indices with more than one query token
 
 
 class AttentionBackend:
@@ -43,10 +50,9 @@ class AttentionBackend:
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V rows into their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]."""
-    nb, bs = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, nb * bs, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    k_flat, v_flat, _ = _flat(kv_cache)
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
 
 
 def _key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
@@ -68,45 +74,66 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        num_heads = q.shape[1]
         out = torch.empty_like(q)
-        nb, bs = kv_cache.shape[1], kv_cache.shape[2]
-        k_flat = kv_cache[0].view(nb * bs, *kv_cache.shape[3:])
-        v_flat = kv_cache[1].view(nb * bs, *kv_cache.shape[3:])
-        gqa = num_heads != k_flat.shape[1]
-
-        if meta.decode_rows.numel():
-            rows = meta.decode_rows
-            ctx = meta.max_decode_seq_len
-            nblk = -(-ctx // bs)
-            slots = (meta.block_tables[rows, :nblk, None] * bs
-                     + torch.arange(bs, device=q.device)).reshape(len(rows), -1)[:, :ctx]  # [Rd, L]
-            kd = k_flat[slots].transpose(1, 2)  # [Rd, Hkv, L, D]
-            vd = v_flat[slots].transpose(1, 2)
-            seq = meta.seq_lens[rows, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
-            mask = _key_mask(seq - 1, k_pos, seq, sliding_window)  # [Rd, L]
-            q_idx = meta.query_start_loc[rows]
-            qd = q[q_idx].unsqueeze(2)  # [Rd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
-                                               enable_gqa=gqa)
-            out[q_idx] = o.squeeze(2)
-
+        if meta.decode_q_idx.numel():
+            q_idx = meta.decode_q_idx
+            out[q_idx] = self.decode(q[q_idx], kv_cache, meta, scale, sliding_window)
         for r in meta.prefill_rows:
-            q0 = meta.query_start_list[r]
-            qlen = meta.query_lens_list[r]
-            ctx = meta.seq_lens_list[r]
-            nblk = -(-ctx // bs)
-            slots = (meta.block_tables[r, :nblk, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)[:ctx]
-            kp = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vp = v_flat[slots].transpose(0, 1).unsqueeze(0)
-            qp = q[q0:q0 + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-            if qlen == ctx and sliding_window is None:
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-                k_pos = torch.arange(ctx, device=q.device)[None, :]
-                mask = _key_mask(q_pos, k_pos, torch.tensor(ctx, device=q.device), sliding_window)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[q0:q0 + qlen] = o[0].transpose(0, 1)
+            q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
+            out[q0:q0 + qlen] = self.prefill(q[q0:q0 + qlen], kv_cache, meta, r, scale, sliding_window)
         return out
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        """q: [Rd, H, D], one query per decode row (the last position of its context) -> [Rd, H, D]."""
+        ctx = meta.max_decode_seq_len
+        k_flat, v_flat, bs = _flat(kv_cache)
+        slots = (meta.decode_block_tables[:, :-(-ctx // bs), None] * bs
+                 + torch.arange(bs, device=q.device)).reshape(q.shape[0], -1)[:, :ctx]  # [Rd, L]
+        kd = k_flat[slots].transpose(1, 2)  # [Rd, Hkv, L, D]
+        vd = v_flat[slots].transpose(1, 2)
+        seq = meta.decode_seq_lens[:, None]
+        mask = _key_mask(seq - 1, torch.arange(ctx, device=q.device)[None, :], seq, sliding_window)  # [Rd, L]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
+                                           enable_gqa=q.shape[1] != kd.shape[1])
+        return o.squeeze(2)
+
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, r: int, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """q: [Lq, H, D], the last Lq positions of request r's context -> [Lq, H, D]."""
+        qlen, ctx = q.shape[0], meta.seq_lens_list[r]
+        k_flat, v_flat, bs = _flat(kv_cache)
+        slots = (meta.block_tables[r, :-(-ctx // bs), None] * bs + torch.arange(bs, device=q.device)).reshape(-1)[:ctx]
+        kp = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        vp = v_flat[slots].transpose(0, 1).unsqueeze(0)
+        qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        gqa = q.shape[1] != kp.shape[1]
+        if qlen == ctx and sliding_window is None:
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            mask = _key_mask(q_pos, torch.arange(ctx, device=q.device)[None, :], torch.tensor(ctx, device=q.device),
+                             sliding_window)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+
+
+def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K and V of one layer as [num_slots, Hkv, D] views, and the block size."""
+    nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+    return kv_cache[0].view(nb * bs, *kv_cache.shape[3:]), kv_cache[1].view(nb * bs, *kv_cache.shape[3:]), bs
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto": the C++ CPU kernel on CPU (torch reference if it cannot be built), the reference elsewhere."""
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return TorchPagedAttention()
+    from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+
+    if name == "cpu":
+        return CPUPagedAttention()
+    try:
+        return CPUPagedAttention()
+    except Exception as e:  # no compiler, no headers...: stay correct, only slower
+        logger.warning("CPU attention kernel unavailable (%s); using the torch reference backend", e)
+        return TorchPagedAttention()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
-from pagellm.model_executor.layers.rotary import RotaryEmbedding
+from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -63,7 +63,7 @@ class ModelShape:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, s: ModelShape, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -73,10 +73,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.eps) if s.qk_norm else None
         self.scale = s.head_dim ** -0.5
         self.sliding_window = s.sliding_windows[layer_idx]
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -84,7 +83,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -102,15 +101,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, s: ModelShape, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
-        self.self_attn = Attention(s, layer_idx, rotary, backend)
+        self.self_attn = Attention(s, layer_idx, backend)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.mlp = MLP(s)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         s = self.shape = ModelShape(hf_config, architecture)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim, max(max_position, 1))
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, i, self.rotary, backend) for i in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.eps)
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
 
@@ -128,8 +127,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (fp32)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Fetch the default model and compile the CPU attention kernel ahead of the first engine start.
 model: install
 	$(PY) -m pagellm.model_executor.default_model
+	$(PY) -m pagellm.model_executor.layers.cpu_attention
 
 run: model
 	$(VENV)/bin/pagellm generate --chat --max-tokens 48 \

@@ -33,18 +33,25 @@ def load_extension():
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         logger.info("compiling the CPU paged-attention kernel into %s (once)", build_dir)
-    return cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                              verbose=False)
+    cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+    return torch.ops.pagellm
 
 
 class CPUPagedAttention(TorchPagedAttention):
     def __init__(self) -> None:
-        self.ext = load_extension()
+        self.ops = load_extension()
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: int | None) -> torch.Tensor:
         out = torch.empty_like(q)
-        self.ext.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
+        self.ops.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
                                         out, scale, sliding_window or 0)
         return out
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    load_extension()
+    print("CPU paged-attention kernel ready")

@@ -1,4 +1,4 @@
-"""Command line: ``pagellm generate`` and ``pagellm bench throughput``."""
+"""Command line: ``pagellm generate``, ``pagellm serve``, ``pagellm bench throughput|serve``."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.set_defaults(func=cmd_generate)
+
+    from pagellm.entrypoints.serve import add_parser as add_serve
+
+    add_serve(sub, _engine_args)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,169 @@
+"""AsyncLLMEngine: the step loop in a background thread, each request's outputs as an async stream.
+
+The engine itself is single-threaded. All calls into it (add, abort, step) happen on the loop thread; the
+asyncio side only enqueues commands and receives outputs through ``loop.call_soon_threadsafe``. So HTTP
+handlers never block on a forward pass, and many requests are batched continuously by the one loop.
+
+    handler --(add/abort command)--> [command queue] --> loop thread: apply commands, step(), publish outputs
+    handler <--(RequestOutput)------ [per-request asyncio.Queue] <--------------------------/
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagellm.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.metrics import EngineMetrics
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, log_interval_s: float = 5.0, registry=None) -> None:
+        self.engine = LLMEngine(config)
+        self.metrics = EngineMetrics(self.engine, registry)
+        self.log_interval_s = log_interval_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self.dead_error: BaseException | None = None
+        self._ids = 0
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ asyncio side
+    async def generate(self, prompt: str | None, sampling_params: SamplingParams,
+                       prompt_token_ids: list[int] | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as tokens arrive; the last one has ``finished=True``.
+
+        Raises ValueError (bad input) before the first output. Leaving the iteration early (client gone,
+        cancellation) aborts the request in the engine, which frees its blocks at the next step.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}")
+        loop = asyncio.get_running_loop()
+        if request_id is None:
+            self._ids += 1
+            request_id = f"req-{self._ids}"
+        accepted: asyncio.Future = loop.create_future()
+        stream = _Stream(loop, asyncio.Queue())
+        self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, stream, accepted))
+        await accepted  # raises the engine's ValueError for bad input
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._command(("abort", request_id))
+
+    def _command(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ loop thread
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, ids, stream, accepted = cmd
+                try:
+                    self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid)
+                except Exception as e:  # bad input: tell the caller, touch nothing else
+                    stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                    continue
+                self._streams[rid] = stream
+                self.metrics.on_arrival(rid)
+                stream.loop.call_soon_threadsafe(_set_result, accepted, None)
+            elif cmd[0] == "abort":
+                rid = cmd[1]
+                if self._streams.pop(rid, None) is not None and self.engine.abort_request(rid):
+                    self.metrics.on_finished(rid, "abort")
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        try:
+            while not self._stop:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.metrics.update_gauges()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                now = time.monotonic()
+                for out in outputs:
+                    self.metrics.on_output(out, now)
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                self.metrics.update_gauges()
+                if now - last_log >= self.log_interval_s:
+                    logger.info(self.metrics.log_line(now - last_log))
+                    last_log = now
+        except BaseException as e:  # the loop died: fail every open stream, /health reports 503
+            logger.exception("engine loop died")
+            self.dead_error = e
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"the engine loop has died: {e!r}"))
+            self._streams.clear()
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

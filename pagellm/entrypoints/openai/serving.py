@@ -1,0 +1,164 @@
+"""Completions and chat completions: one engine request per choice, streamed or collected."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Choice:
+    """What has been produced (and sent) for one choice."""
+
+    index: int
+    prompt_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    sent_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    # ------------------------------------------------------------------ prompts
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [(p, None)]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [(None, list(p))]
+        if all(isinstance(x, str) for x in p):
+            return [(x, None) for x in p]
+        return [(None, list(x)) for x in p]
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                       **(req.chat_template_kwargs or {}))
+        return text, tok.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ running
+    def _streams(self, prompts, params: SamplingParams, n: int) -> list[AsyncIterator[RequestOutput]]:
+        """n engine requests per prompt (choice i gets seed + i when a seed is given)."""
+        gens = []
+        for prompt, ids in prompts:
+            for i in range(n):
+                p = params if (n == 1 or params.seed is None) else _with_seed(params, params.seed + i)
+                gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid()))
+        return gens
+
+    async def run(self, prompts, params: SamplingParams, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merge the choices' streams: yields (choice index, output) as any of them produces tokens."""
+        gens = self._streams(prompts, params, n)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for out in gen:
+                    await queue.put((i, out, None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, None, e))
+            finally:
+                await queue.put((i, None, StopAsyncIteration()))
+
+        # Validate every choice's request before streaming anything: the first output of each generator is
+        # awaited lazily, so start them all and surface the first error.
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        live = len(tasks)
+        try:
+            while live:
+                i, out, err = await queue.get()
+                if isinstance(err, StopAsyncIteration):
+                    live -= 1
+                elif err is not None:
+                    raise err
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                await g.aclose()
+
+    # ------------------------------------------------------------------ responses
+    @staticmethod
+    def update(choice: _Choice, out: RequestOutput, hold: int) -> None:
+        c = out.outputs[0]
+        choice.prompt_ids = out.prompt_token_ids
+        choice.text = c.text
+        choice.token_ids = c.token_ids
+        choice.logprobs = c.logprobs or []
+        choice.finish_reason = c.finish_reason
+        choice.stop_reason = c.stop_reason
+        if not out.finished and hold:
+            # A stop string may be completing: hold back text that could still be cut.
+            choice.text = c.text[:max(choice.sent_text, len(c.text) - hold)]
+
+    def usage(self, choices: list[_Choice], prompt_lens: list[int]) -> dict:
+        completion = sum(len(c.token_ids) for c in choices)
+        prompt = sum(prompt_lens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int) -> dict:
+    """Legacy completions logprobs for tokens [start, end)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset0
+    for tok, entry in zip(choice.token_ids[start:end], choice.logprobs[start:end]):
+        lp = entry[tok]
+        tokens.append(lp.decoded_token or "")
+        token_lps.append(lp.logprob)
+        tops.append({(v.decoded_token or ""): v.logprob for t, v in entry.items()})
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(choice: _Choice, start: int, end: int, top: int) -> dict:
+    content = []
+    for tok, entry in zip(choice.token_ids[start:end], choice.logprobs[start:end]):
+        lp = entry[tok]
+        tops = sorted(entry.values(), key=lambda v: v.rank or 0)
+        tops = [v for v in tops if v.rank is not None and v.rank <= top][:top]
+        content.append({"token": lp.decoded_token or "", "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode()),
+                        "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
+                                          "bytes": list((v.decoded_token or "").encode())} for v in tops]})
+    return {"content": content}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def _rid() -> str:
+    return uuid.uuid4().hex
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def now() -> int:
+    return int(time.time())

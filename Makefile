@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install model bench clean
+.PHONY: run generate test install model bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,15 @@ model: install
 	$(PY) -m pagellm.model_executor.default_model
 	$(PY) -m pagellm.model_executor.layers.cpu_attention
 
+# The main job: the OpenAI-compatible server on 127.0.0.1:8000 (Ctrl-C to stop).
 run: model
+	@echo "Starting pagellm on http://127.0.0.1:8000/v1 — once it is up, from another shell:"
+	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+	@echo "  or any OpenAI client with base_url=http://127.0.0.1:8000/v1"
+	$(VENV)/bin/pagellm serve
+
+generate: model
 	$(VENV)/bin/pagellm generate --chat --max-tokens 48 \
 		"What is the capital of France?" \
 		"Write a haiku about paged memory." \

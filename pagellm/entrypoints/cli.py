@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     _engine_args(t)
     from pagellm.entrypoints.bench import cmd_throughput
     t.set_defaults(func=cmd_throughput)
+    from pagellm.entrypoints.bench_serve import add_parser as add_bench_serve
+    add_bench_serve(bsub)
 
     a = ap.parse_args(argv)
     a.func(a)

@@ -98,3 +98,43 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     }
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def cmd_latency(a: argparse.Namespace) -> None:
+    """Single request: TTFT (prompt to first token), TPOT (mean gap between later tokens), e2e; median of runs."""
+    import random
+    import statistics
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.entrypoints.cli import engine_kwargs
+
+    rss = PeakRSS().start()
+    llm = LLM(**engine_kwargs(a))
+    engine = llm.llm_engine
+    rng = random.Random(a.seed)
+    prompt = [rng.randrange(17, engine.vocab_size) for _ in range(a.input_len)]
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+
+    def once() -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        engine.add_request(prompt_token_ids=prompt, sampling_params=params)
+        stamps = []
+        while engine.has_unfinished_requests():
+            if engine.step():
+                stamps.append(time.perf_counter())
+        ttft = stamps[0] - t0
+        tpot = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+        return ttft, tpot, stamps[-1] - t0
+
+    for _ in range(a.num_iters_warmup):
+        once()
+    runs = [once() for _ in range(a.num_iters)]
+    ttft, tpot, e2e = (statistics.median(x) for x in zip(*runs))
+    import torch
+    result = {"engine": "pagellm", "mode": "latency", "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
+              "prompt_len": a.input_len, "output_len": a.output_len, "ttft_ms": round(ttft * 1e3, 2),
+              "tpot_ms": round(tpot * 1e3, 2), "e2e_s": round(e2e, 3),
+              "ttft_runs_ms": [round(r[0] * 1e3, 1) for r in runs], "threads": torch.get_num_threads(),
+              "peak_rss_mb": round(rss.stop(), 1)}
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()

@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     _engine_args(t)
     from pagellm.entrypoints.bench import cmd_throughput
     t.set_defaults(func=cmd_throughput)
+    lat = bsub.add_parser("latency", help="single-request TTFT / TPOT (one JSON line)")
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    _engine_args(lat)
+    from pagellm.entrypoints.bench import cmd_latency
+    lat.set_defaults(func=cmd_latency)
     from pagellm.entrypoints.bench_serve import add_parser as add_bench_serve
     add_bench_serve(bsub)
 

@@ -91,6 +91,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0

@@ -52,11 +52,12 @@ def test_smollm2_gguf_matches_hf(smol, gguf_path, block_size):
     assert_pool_whole(llm)
 
 
-def test_smollm2_gguf_preemption_and_chunking_match_hf(smol, gguf_path):
+@pytest.mark.parametrize("prefix_caching,num_blocks", [(False, 40), (True, 26)])
+def test_smollm2_gguf_preemption_and_chunking_match_hf(smol, gguf_path, prefix_caching, num_blocks):
     prompts, expected = smol
-    # ~40 blocks of 16 tokens: the longest request alone needs ~22, so the batch must preempt.
-    llm = LLM(model=str(gguf_path), dtype="float32", block_size=16, kv_cache_memory=40 * 737280,
-              max_num_batched_tokens=64)
+    # The longest request alone needs ~22 blocks of 16 tokens, so the batch must preempt.
+    llm = LLM(model=str(gguf_path), dtype="float32", block_size=16, kv_cache_memory=num_blocks * 737280,
+              max_num_batched_tokens=64, enable_prefix_caching=prefix_caching)
     outs, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
     assert llm.llm_engine.stats.num_preemptions > 0

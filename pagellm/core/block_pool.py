@@ -1,10 +1,13 @@
-"""The pool of KV-cache blocks: ids, reference counts and an O(1) free queue.
+"""The pool of KV-cache blocks: ids, reference counts, an O(1) free queue and the prefix-cache index.
 
 Every physical block of the KV tensor is one ``KVCacheBlock``. A block is either *free* (ref_cnt == 0, linked
 into the free queue) or *in use* (ref_cnt > 0, reachable from at least one request's block table). The free
-queue is a doubly linked list so that a block can later be taken out of the middle in O(1) — prefix caching
-will need that to revive a cached block that sits in the queue — and so that freed blocks go to the tail
-(last to be reused) while allocation pops the head.
+queue is a doubly linked list so that a block can be taken out of the middle in O(1), and so that freed blocks
+go to the tail (last to be reused) while allocation pops the head: the queue is the LRU order of eviction.
+
+Prefix caching: a full block may carry ``block_hash`` (see kv_cache_manager) and be listed in ``cached``. When
+its last request ends it stays in the free queue *with* its hash, still findable; ``touch`` revives it (out of
+the queue, ref + 1). Only when ``allocate`` pops it for new tokens is the hash dropped (lazy eviction).
 
     head <-> b7 <-> b2 <-> b9 <-> tail        popleft() -> b7;  append(b4) -> ... b9 <-> b4 <-> tail
 """
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: bytes | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
@@ -82,7 +86,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVCacheBlock] = {}
         self.peak_used = 0
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,10 +109,33 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             assert b.ref_cnt == 0, f"{b} was in the free queue with references"
+            if b.block_hash is not None:  # evict: its old contents are about to be overwritten
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+                self.num_evictions += 1
             b.ref_cnt = 1
             out.append(b)
         self.peak_used = max(self.peak_used, self.num_used_blocks)
         return out
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks, reviving those that sat free in the queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Make a full, in-use block findable by its hash (the first block with a given hash wins)."""
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached.setdefault(block_hash, block)
 
     def incref(self, blocks: list[KVCacheBlock]) -> None:
         """Add one reference per entry (all or nothing)."""

@@ -1,12 +1,21 @@
-"""KV cache manager: grows and frees requests' block tables on top of the block pool.
+"""KV cache manager: grows and frees requests' block tables on top of the block pool; prefix caching.
 
 Blocks are allocated on demand: a request holds exactly ``ceil(tokens_in_cache / block_size)`` blocks, never a
 reservation for its maximum length. The scheduler asks for slots before each step and frees them when a
 request finishes, is aborted or is preempted.
+
+Prefix caching (``enable_prefix_caching``): every full block of a request gets a hash chained from its parent's:
+``h_i = sha256(h_{i-1} || tokens_i)``, with ``h_{-1} = sha256(salt)``. SHA-256 makes a collision (two different
+token prefixes sharing a block) practically impossible, so a hit is an exact match. A new request reuses the
+longest run of cached blocks that match its tokens, but never all of them: at least the last token is computed,
+so the step that admits it produces logits. Full blocks are registered when they are scheduled to be filled.
 """
 from __future__ import annotations
 
-from pagellm.core.block_pool import BlockPool
+import hashlib
+from array import array
+
+from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.engine.request import Request
 
 
@@ -14,10 +23,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def root_hash(salt: str | None) -> bytes:
+    return hashlib.sha256(b"pagellm-prefix:" + (salt or "").encode()).digest()
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of which found in the cache
 
     @property
     def num_blocks(self) -> int:
@@ -26,24 +46,75 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended to ``num_full_blocks`` full blocks."""
+        hashes, bs = request.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(hash_block(parent, request.token_at(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Cached blocks matching the start of a request that has nothing computed (admission)."""
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size  # leave at least one token to compute
+        hits = []
+        for h in self._hashes(request, max_blocks):
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
 
-        Returns False (allocating nothing) when the pool has too few free blocks; the scheduler then preempts.
+        ``computed_blocks`` (admission only) are prefix-cache hits: they become the head of the block table and
+        count as computed. Returns False (changing nothing) when the pool has too few free blocks.
         """
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.blocks)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks:
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(request.blocks) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # they leave the free queue
+        if max(need, 0) + revived > self.pool.num_free_blocks:
             return False
-        request.blocks.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching and request.num_computed_tokens == 0:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(computed_blocks) * self.block_size
+            request.num_cached_prompt_tokens = len(computed_blocks) * self.block_size
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.blocks = list(computed_blocks)
+            request.num_cached_blocks = len(computed_blocks)
+            request.num_computed_tokens = num_computed
+        if need > 0:
+            request.blocks.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return True
 
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        """Register the blocks that this step fills completely, so later requests can find them."""
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.blocks[i], hashes[i])
+        request.num_cached_blocks = num_full
+
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks to the pool, tail first."""
+        """Return all of the request's blocks to the pool, tail first (cached ones stay findable)."""
         if request.blocks:
             self.pool.free(list(reversed(request.blocks)))
             request.blocks = []
+        request.num_cached_blocks = 0
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

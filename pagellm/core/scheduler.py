@@ -89,11 +89,12 @@ class Scheduler:
         # 2. Waiting requests, FCFS, unless this step had to preempt (no room to spare).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            computed = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n):
+            if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -79,7 +79,11 @@ class AsyncLLMEngine:
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
         self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, stream, accepted))
-        await accepted  # raises the engine's ValueError for bad input
+        try:
+            await accepted  # raises the engine's ValueError for bad input
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it finds the request (a no-op if the add failed)
+            raise
         finished = False
         try:
             while True:

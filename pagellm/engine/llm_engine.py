@@ -76,7 +76,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each at "
                              f"block_size={config.block_size}); give at least {per_block}")
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev)
@@ -91,7 +91,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, request_id: str | None = None) -> str:
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
         """Validate and queue a request; raise ValueError (engine untouched) if it can never run."""
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None:
@@ -108,7 +109,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        req = Request(request_id, prompt, prompt_token_ids, params, max_tokens)
+        req = Request(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt=cache_salt)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -148,6 +149,7 @@ class LLMEngine:
         """Start counters afresh (benchmarks call this after warm-up)."""
         self.stats = EngineStats(self.stats.num_blocks, self.stats.block_size, self.stats.kv_cache_bytes)
         self.scheduler.num_preemptions = 0
+        self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -169,13 +171,15 @@ class LLMEngine:
         return outputs
 
     def _record_kv_usage(self) -> None:
-        pool = self.kv_manager.pool
-        used = pool.num_used_blocks
+        """Track the peak of used blocks and, at that peak, the share of allocated slots holding live tokens.
+        Empty slots are only ever at the tail of a request's last block (shared blocks are full)."""
+        used = self.kv_manager.pool.num_used_blocks
         self.stats.num_used_blocks = used
         if used > self.stats.peak_used_blocks:
-            live = sum(r.num_computed_tokens for r in self.scheduler.running)
+            bs = self.kv_manager.block_size
+            empty = sum(len(r.blocks) * bs - r.num_computed_tokens for r in self.scheduler.running)
             self.stats.peak_used_blocks = used
-            self.stats.kv_slot_efficiency_at_peak = live / (used * self.kv_manager.block_size)
+            self.stats.kv_slot_efficiency_at_peak = 1.0 - empty / (used * bs)
 
     def _update(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         tokens = out.sampled.tolist()
@@ -237,7 +241,8 @@ class LLMEngine:
                                 cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
                                 logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
         metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions,
-                   "num_prefill_chunks": req.num_prefill_chunks}
+                   "num_prefill_chunks": req.num_prefill_chunks,
+                   "num_cached_tokens": req.num_cached_prompt_tokens}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics)

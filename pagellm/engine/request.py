@@ -47,6 +47,12 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
+    # Prefix caching: chained hashes of the request's full blocks (computed lazily), and the salt that keeps
+    # tenants apart (requests with different salts never share blocks).
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the cache at the last admission
 
     # Outputs
     output_text: str = ""

@@ -95,6 +95,8 @@ def cmd_throughput(a: argparse.Namespace) -> None:
         "preemptions": st.num_preemptions, "prompt_tokens_computed": st.prompt_tokens_computed,
         "steps": st.num_steps, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
+        "prefix_caching": engine.config.enable_prefix_caching,
+        "prefix_cache_hit_rate": round(engine.kv_manager.prefix_hit_rate, 4),
     }
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

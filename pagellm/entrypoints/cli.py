@@ -14,6 +14,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
     p.add_argument("--seed", type=int, default=0)
 
@@ -22,7 +23,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     bs = a.block_size if a.block_size == "auto" else int(a.block_size)
     return dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, block_size=bs,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory, seed=a.seed)
+                enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
+                kv_cache_memory=a.kv_cache_memory, seed=a.seed)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:

@@ -21,11 +21,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  block_size: int | str = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, kv_cache_memory: int | str | None = None, seed: int = 0,
-                 **kwargs: Any) -> None:
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 kv_cache_memory: int | str | None = None, seed: int = 0, **kwargs: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              enable_chunked_prefill=enable_chunked_prefill, kv_cache_memory=kv_cache_memory,
+                              enable_chunked_prefill=enable_chunked_prefill,
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_memory=kv_cache_memory,
                               seed=seed, **kwargs)
         self.llm_engine = LLMEngine(config)
 
@@ -81,7 +82,8 @@ class LLM:
             return self.llm_engine.add_request(prompt=prompt, sampling_params=params)
         if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
             return self.llm_engine.add_request(prompt=prompt.get("prompt"), sampling_params=params,
-                                               prompt_token_ids=prompt.get("prompt_token_ids"))
+                                               prompt_token_ids=prompt.get("prompt_token_ids"),
+                                               cache_salt=prompt.get("cache_salt"))
         raise ValueError(f"prompts: expected a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

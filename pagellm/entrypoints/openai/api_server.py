@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagellm import __version__
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagellm.entrypoints.openai.limits import BodySizeLimit, check_api_key
+from pagellm.entrypoints.openai.limits import ApiKeyAuth, BodySizeLimit
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  GenerateRequest, TokenizeRequest, error_body)
 from pagellm.entrypoints.openai.serving import (OpenAIServing, _Choice, chat_logprobs, completion_logprobs, now,
@@ -40,12 +40,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     serving = OpenAIServing(engine, model_name)
     app.state.engine = engine
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and not check_api_key(request, api_key):
-            return JSONResponse(error_body("Invalid or missing API key", "authentication_error", 401), 401)
-        return await call_next(request)
+    app.add_middleware(ApiKeyAuth, api_key=api_key)  # added last = outermost: 401 before 413
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -182,8 +177,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         while not task.done():
             await asyncio.wait([task], timeout=0.5)
             if not task.done() and await raw.is_disconnected():
+                # Cancelling the consumer closes gen inside it (aborting its requests); gen.aclose() from here
+                # would fail with "asynchronous generator is already running".
                 task.cancel()
-                await gen.aclose()
+                await asyncio.wait([task])
                 raise APIError(499, "client disconnected")
         task.result()
         return choices

@@ -96,8 +96,12 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
+            # A cancelled pump closes the generator it is iterating (which aborts that engine request); closing
+            # it from here while the pump is suspended inside it would raise "aclose(): asynchronous generator is
+            # already running" and turn e.g. one bad prompt of a batch into a 500.
             for g in gens:
-                await g.aclose()
+                if not g.ag_running:
+                    await g.aclose()
 
     # ------------------------------------------------------------------ responses
     @staticmethod

@@ -15,6 +15,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,8 +55,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if not 0.0 <= self.temperature:
             raise bad("temperature", ">= 0")
         if not 0.0 < self.top_p <= 1.0:

@@ -142,7 +142,7 @@ def test_top_k_top_p_min_p_masks():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
     ("min_tokens", -1), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
-    ("frequency_penalty", -3.0), ("n", 0), ("n", 2), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("frequency_penalty", -3.0), ("n", 0), ("best_of", 0), ("stop", [""]), ("stop_token_ids", [-1]),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

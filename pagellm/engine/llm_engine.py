@@ -17,6 +17,7 @@ from pagellm.config import EngineConfig, default_kv_cache_memory, default_num_th
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.parallel_sampling import ParentRequest, child_params
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
@@ -82,6 +83,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children
+        self.parent_of: dict[str, str] = {}
         self._ids = itertools.count()
         self._seed_gen = torch.Generator(device=dev).manual_seed(config.seed)
         torch.manual_seed(config.seed)
@@ -103,11 +106,22 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self._validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests or request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        fan_out = max(params.n, params.best_of or 1)
+        if fan_out > 1:
+            children = [f"{request_id}#{i}" for i in range(fan_out)]
+            for i, cid in enumerate(children):
+                self._add(prompt, prompt_token_ids, child_params(params, i), cid, cache_salt)
+                self.parent_of[cid] = request_id
+            self.parents[request_id] = ParentRequest(request_id, params, children)
+            return request_id
+        return self._add(prompt, prompt_token_ids, params, request_id, cache_salt)
+
+    def _add(self, prompt, prompt_token_ids, params, request_id, cache_salt) -> str:
         max_model_len = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         req = Request(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt=cache_salt)
         if params.seed is not None:
@@ -139,6 +153,12 @@ class LLMEngine:
                              f"{self.kv_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
 
     def abort_request(self, request_id: str) -> bool:
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            aborted = [self.abort_request(c) for c in parent.child_ids]
+            for c in parent.child_ids:
+                self.parent_of.pop(c, None)
+            return any(aborted)
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return False
@@ -168,7 +188,22 @@ class LLMEngine:
         self.stats.num_steps += 1
         outputs = self._update(reqs, sampled) if reqs else []
         self.stats.num_used_blocks = self.kv_manager.pool.num_used_blocks
-        return outputs
+        return self._merge_children(outputs) if self.parent_of else outputs
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children of an n > 1 request report only through their parent, once all have finished."""
+        merged = []
+        for out in outputs:
+            pid = self.parent_of.get(out.request_id)
+            if pid is None:
+                merged.append(out)
+            elif out.finished:
+                del self.parent_of[out.request_id]
+                done = self.parents[pid].add(out)
+                if done is not None:
+                    del self.parents[pid]
+                    merged.append(done)
+        return merged
 
     def _record_kv_usage(self) -> None:
         """Track the peak of used blocks and, at that peak, the share of allocated slots holding live tokens.
@@ -199,7 +234,8 @@ class LLMEngine:
             if lp is not None:
                 req.cumulative_logprob += lp[i]
                 if req.logprobs is not None:
-                    req.logprobs.append(self._logprob_entry(req, tok, lp[i], ranks[i], top_ids[i], top_lp[i]))
+                    req.logprobs.append(self._logprob_entry(req, tok, lp[i], ranks[i], top_ids[i] if top_ids else [],
+                                                            top_lp[i] if top_lp else []))
             status = self._check_stop(req, tok)
             if status is not None:
                 self.scheduler.finish_request(req, status)

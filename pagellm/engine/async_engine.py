@@ -63,8 +63,8 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ asyncio side
     async def generate(self, prompt: str | None, sampling_params: SamplingParams,
-                       prompt_token_ids: list[int] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last one has ``finished=True``.
 
         Raises ValueError (bad input) before the first output. Leaving the iteration early (client gone,
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
             request_id = f"req-{self._ids}"
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, stream, accepted))
+        self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, cache_salt, stream, accepted))
         try:
             await accepted  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:
@@ -118,9 +118,9 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, ids, stream, accepted = cmd
+                _, rid, prompt, params, ids, salt, stream, accepted = cmd
                 try:
-                    self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid)
+                    self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid, cache_salt=salt)
                 except Exception as e:  # bad input: tell the caller, touch nothing else
                     stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
                     continue

@@ -27,6 +27,10 @@ class EngineMetrics:
         self.waiting = Gauge("pagellm:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("pagellm:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", registry=r)
         self.preemptions = Counter("pagellm:num_preemptions", "Preemptions (recompute)", registry=r)
+        self.prefix_queries = Counter("pagellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("pagellm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
         self.prompt_tokens = Counter("pagellm:prompt_tokens", "Prompt tokens of requests that started "
                                      "generating", registry=r)
         self.generation_tokens = Counter("pagellm:generation_tokens", "Generated tokens", registry=r)
@@ -40,6 +44,7 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._timings: dict[str, _Timing] = {}
         self._seen_preemptions = 0
+        self._seen_queries = self._seen_hits = 0
         self._max_running = 0
         # throughput window for the periodic log line
         self._win_prompt = 0
@@ -90,12 +95,18 @@ class EngineMetrics:
         if total > self._seen_preemptions:
             self.preemptions.inc(total - self._seen_preemptions)
             self._seen_preemptions = total
+        kv = self.engine.kv_manager
+        if kv.prefix_queries > self._seen_queries:
+            self.prefix_queries.inc(kv.prefix_queries - self._seen_queries)
+            self.prefix_hits.inc(kv.prefix_hits - self._seen_hits)
+            self._seen_queries, self._seen_hits = kv.prefix_queries, kv.prefix_hits
 
     def log_line(self, window_s: float) -> str:
         sched = self.engine.scheduler
         line = (f"prompt throughput: {self._win_prompt / window_s:.1f} tok/s, generation throughput: "
                 f"{self._win_gen / window_s:.1f} tok/s, running: {len(sched.running)}, waiting: "
                 f"{len(sched.waiting)}, KV cache usage: {100 * self.engine.kv_manager.usage():.1f}%, "
-                f"preemptions: {sched.num_preemptions}")
+                f"preemptions: {sched.num_preemptions}, prefix cache hit rate: "
+                f"{100 * self.engine.kv_manager.prefix_hit_rate:.1f}%")
         self._win_prompt = self._win_gen = 0
         return line

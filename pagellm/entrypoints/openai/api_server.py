@@ -126,7 +126,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             prompts = serving.completion_prompts(req)
             if not 1 <= req.n <= 16:
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
-            gen = serving.run(prompts, params, req.n)
+            gen = serving.run(prompts, params, req.n, req.cache_salt)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
                 return await stream_response(gen, len(prompts) * req.n, hold, completion_chunk, req)
@@ -149,7 +149,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             if not 1 <= req.n <= 16:
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
             prompts = [(None, serving.chat_prompt(req)[1])]
-            gen = serving.run(prompts, params, req.n)
+            gen = serving.run(prompts, params, req.n, req.cache_salt)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
                 return await stream_response(gen, req.n, hold, chat_chunk, req)

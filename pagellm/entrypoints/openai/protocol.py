@@ -37,6 +37,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One SamplingParams per choice; n is handled by the server (one engine request per choice)."""

@@ -57,18 +57,21 @@ class OpenAIServing:
         return text, tok.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ running
-    def _streams(self, prompts, params: SamplingParams, n: int) -> list[AsyncIterator[RequestOutput]]:
+    def _streams(self, prompts, params: SamplingParams, n: int,
+                 cache_salt: str | None) -> list[AsyncIterator[RequestOutput]]:
         """n engine requests per prompt (choice i gets seed + i when a seed is given)."""
         gens = []
         for prompt, ids in prompts:
             for i in range(n):
                 p = params if (n == 1 or params.seed is None) else _with_seed(params, params.seed + i)
-                gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid()))
+                gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid(),
+                                                 cache_salt=cache_salt))
         return gens
 
-    async def run(self, prompts, params: SamplingParams, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(self, prompts, params: SamplingParams, n: int,
+                  cache_salt: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Merge the choices' streams: yields (choice index, output) as any of them produces tokens."""
-        gens = self._streams(prompts, params, n)
+        gens = self._streams(prompts, params, n, cache_salt)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, gen):

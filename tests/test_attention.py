@@ -86,13 +86,16 @@ def backends():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_batch_matches_dense(backend_cls, dtype, block_size, window):
-    # decodes with short and long contexts, a fresh prompt, a later chunk of a prompt, a decode at position 0
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (9, 3, 64), (9, 1, 64), (4, 2, 48)],
+                         ids=["gqa3-d32", "gqa3-d64", "mqa9-d64", "d48"])
+def test_mixed_batch_matches_dense(backend_cls, dtype, block_size, window, heads, kv_heads, dim):
+    # decodes with short and long contexts, a fresh prompt, a later chunk of a prompt, a decode at position 0;
+    # head shapes cover the kernel's grouped path, its per-head path (9 heads per kv head) and plain C++ (d48)
     q_lens = [1, 1, 7, 1, 12, 1]
     ctx_lens = [1, 40, 7, 100, 30, 17]
-    q, k, v, cache, meta, k_all, v_all = make_case(q_lens, ctx_lens, block_size, dtype)
-    out = backend_cls().forward(q, k, v, cache, meta, scale=32 ** -0.5, sliding_window=window)
-    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, 32 ** -0.5, window)
+    q, k, v, cache, meta, k_all, v_all = make_case(q_lens, ctx_lens, block_size, dtype, heads, kv_heads, dim)
+    out = backend_cls().forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
 

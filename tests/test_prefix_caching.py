@@ -123,6 +123,18 @@ def _check(sched: Scheduler, live: list[Request]) -> None:
                 assert r.blocks[i].block_hash == r.block_hashes[i]
 
 
+def _step(sched: Scheduler, live: list[Request]) -> int:
+    """One schedule plus what the engine does after sampling; returns how many requests were scheduled."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        if s.samples:
+            s.request.output_token_ids.append(7)
+            if s.request.num_output_tokens >= s.request.max_tokens:
+                sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
+                live.remove(s.request)
+    return len(out.scheduled)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_blocks=st.integers(6, 30), block_size=st.sampled_from([2, 4, 8]),
        budget=st.integers(1, 64))
@@ -148,23 +160,10 @@ def test_random_interleavings_never_leak(data, num_blocks, block_size, budget):
             sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
             live.remove(req)
         else:
-            out = sched.schedule()
-            for s in out.scheduled:
-                if s.samples:
-                    s.request.output_token_ids.append(7)
-                    if s.request.num_output_tokens >= s.request.max_tokens:
-                        sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
-                        live.remove(s.request)
+            _step(sched, live)
         _check(sched, live)
     while live:  # drain: everything finishes, nothing deadlocks
-        out = sched.schedule()
-        assert out.scheduled
-        for s in out.scheduled:
-            if s.samples:
-                s.request.output_token_ids.append(7)
-                if s.request.num_output_tokens >= s.request.max_tokens:
-                    sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
-                    live.remove(s.request)
+        assert _step(sched, live)
         _check(sched, live)
     pool = kv.pool
     assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)

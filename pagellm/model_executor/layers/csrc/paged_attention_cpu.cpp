@@ -142,6 +142,67 @@ inline bool head_avx512(int64_t D, const float* qg, const float* p, Ptr ptr, int
 }
 #endif
 
+#if defined(__AVX512F__)
+// All G query heads of one kv head at once (GQA): each K/V row is loaded and converted once and serves the G
+// heads, with G*C accumulators held in registers. G and C are compile-time so nothing spills.
+template <int C, int G, typename T>
+inline void group_avx512(const float* qf, const int64_t* offs, const T* kp, const T* vp, int64_t n, float* scores,
+                         float* acc, float* inv_sum) {
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* kr = kp + offs[i];
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(q[g][0], k[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[g][c], k[c], a);
+      scores[g * n + i] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * n, n);
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* vr = vp + offs[i];
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * n + i]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+}
+
+template <int C, typename T>
+inline bool group_dispatch_g(int64_t G, const float* qf, const int64_t* offs, const T* kp, const T* vp, int64_t n,
+                             float* scores, float* acc, float* inv_sum) {
+  switch (G) {
+#define PAGELLM_G(GG) \
+    case GG: group_avx512<C, GG, T>(qf, offs, kp, vp, n, scores, acc, inv_sum); return true;
+    PAGELLM_G(1) PAGELLM_G(2) PAGELLM_G(3) PAGELLM_G(4) PAGELLM_G(5) PAGELLM_G(6) PAGELLM_G(7) PAGELLM_G(8)
+#undef PAGELLM_G
+    default: return false;
+  }
+}
+
+// Returns false when (head_dim, group size) has no specialisation; the caller then goes head by head.
+template <typename T>
+inline bool group_dispatch(int64_t D, int64_t G, const float* qf, const int64_t* offs, const T* kp, const T* vp,
+                           int64_t n, float* scores, float* acc, float* inv_sum) {
+  switch (D) {
+    case 32: return group_dispatch_g<2, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
+    case 64: return group_dispatch_g<4, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
+    case 128: return group_dispatch_g<8, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
+    default: return false;
+  }
+}
+#endif
+
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
@@ -182,7 +243,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       auto k_at = [&](int64_t i) { return kp + offs[i]; };
       auto v_at = [&](int64_t i) { return vp + offs[i]; };
-      for (int64_t g = 0; g < G; ++g) {
+      bool grouped = false;
+#if defined(__AVX512F__)
+      grouped = group_dispatch<T>(D, G, qf.data(), offs.data(), kp, vp, n, scores.data(), acc.data(),
+                                  inv_sum.data());
+#endif
+      for (int64_t g = 0; g < G && !grouped; ++g) {
         const float* qg = qf.data() + g * D;
         float* sg = scores.data() + g * n;
         bool done = false;

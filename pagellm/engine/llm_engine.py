@@ -86,7 +86,6 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children
         self.parent_of: dict[str, str] = {}
         self._ids = itertools.count()
-        self._seed_gen = torch.Generator(device=dev).manual_seed(config.seed)
         torch.manual_seed(config.seed)
         logger.info("engine ready in %.1fs: %s %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
                     time.perf_counter() - t0, ckpt_arch(cfg), config.torch_dtype, num_blocks, config.block_size,

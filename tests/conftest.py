@@ -73,6 +73,12 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+def pool_is_whole(llm) -> bool:
+    """After every request has ended, every block is free (or cached and evictable) and unreferenced."""
+    pool = llm.llm_engine.kv_manager.pool
+    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
     """HF transformers greedy generate, one prompt at a time (no padding), fp32: the oracle."""
     outs = []

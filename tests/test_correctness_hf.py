@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
-from tests.conftest import ARCHS, TEXT_PROMPTS, hf_greedy
+from tests.conftest import ARCHS, TEXT_PROMPTS, hf_greedy, pool_is_whole
 
 MAX_NEW = 24
 
@@ -21,12 +21,6 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return outs, [o.outputs[0].token_ids for o in outs]
-
-
-def assert_pool_whole(llm: LLM) -> None:
-    pool = llm.llm_engine.kv_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 # ---------------------------------------------------------------- SmolLM2 (GGUF)
@@ -49,7 +43,7 @@ def test_smollm2_gguf_matches_hf(smol, gguf_path, block_size):
     llm = LLM(model=str(gguf_path), dtype="float32", block_size=block_size, kv_cache_memory="256MiB")
     _, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
-    assert_pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 @pytest.mark.parametrize("prefix_caching,num_blocks", [(False, 40), (True, 26)])
@@ -62,7 +56,7 @@ def test_smollm2_gguf_preemption_and_chunking_match_hf(smol, gguf_path, prefix_c
     assert got == expected
     assert llm.llm_engine.stats.num_preemptions > 0
     assert max(o.metrics["num_prefill_chunks"] for o in outs) > 1
-    assert_pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 # ---------------------------------------------------------------- tiny random checkpoints
@@ -92,7 +86,7 @@ def test_tiny_architectures_match_hf(tiny_expected, arch, block_size):
     llm = LLM(model=str(path), dtype="float32", block_size=block_size, kv_cache_memory="64MiB")
     _, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
-    assert_pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -105,7 +99,7 @@ def test_tiny_preemption_matches_hf(tiny_expected, arch):
     _, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
     assert llm.llm_engine.stats.num_preemptions > 0
-    assert_pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -116,7 +110,7 @@ def test_tiny_chunked_prefill_matches_hf(tiny_expected, arch):
     assert got == expected
     chunks = {len(o.prompt_token_ids): o.metrics["num_prefill_chunks"] for o in outs}
     assert chunks[250] >= 250 // 40
-    assert_pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_tiny_no_chunked_prefill_matches_hf(tiny_expected):

@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 from pagellm import LLM, SamplingParams
+from tests.conftest import pool_is_whole
 
 WORKLOAD_16 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "workload_16.json"
 
@@ -16,11 +17,6 @@ WORKLOAD_16 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workload
 @pytest.fixture(scope="module")
 def llm(gguf_path):
     return LLM(model=None, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
-
-
-def _pool_whole(llm):
-    pool = llm.llm_engine.kv_manager.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 def test_string_prompts_keep_input_order_and_fields(llm):
@@ -34,7 +30,7 @@ def test_string_prompts_keep_input_order_and_fields(llm):
         assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 8
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
     assert "Paris" in outs[0].outputs[0].text
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_chat_applies_the_template(llm):
@@ -89,14 +85,14 @@ def test_bad_input_is_rejected_and_other_requests_still_finish(llm):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert [done[i] for i in ids] == expected
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_generate_rejects_a_bad_prompt_before_running_any(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []}], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_abort_frees_blocks(llm):
@@ -106,7 +102,7 @@ def test_abort_frees_blocks(llm):
     assert engine.kv_manager.pool.num_used_blocks > 0
     assert engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_request_that_exceeds_the_whole_pool_is_rejected(gguf_path):

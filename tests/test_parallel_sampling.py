@@ -6,6 +6,7 @@ import random
 import pytest
 
 from pagellm import LLM, SamplingParams
+from tests.conftest import pool_is_whole
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +18,8 @@ def _peak_blocks(path, n, prompt, max_tokens=16):
     llm = LLM(model=path, dtype="float32", block_size=16, kv_cache_memory="64MiB")
     params = SamplingParams(n=n, temperature=1.0, seed=3, max_tokens=max_tokens, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-    pool = llm.llm_engine.kv_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
-    return pool.peak_used, out
+    assert pool_is_whole(llm)
+    return llm.llm_engine.kv_manager.pool.peak_used, out
 
 
 def test_n8_of_a_long_prompt_shares_its_blocks(tiny):

@@ -11,6 +11,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.request import Request, RequestStatus
+from tests.conftest import pool_is_whole
 
 BS = 8
 SHARED_BLOCKS = [0, 1, 15, 16, 17, 100]
@@ -32,11 +33,6 @@ def _run(llm: LLM, prompts, max_tokens=12):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], outs
-
-
-def _pool_whole(llm: LLM) -> bool:
-    pool = llm.llm_engine.kv_manager.pool
-    return pool.num_free_blocks == pool.num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +61,7 @@ def test_caching_on_matches_off(tiny_path, reference, budget):
     kv = llm.llm_engine.kv_manager
     # every second prompt re-finds its partner's full prefix blocks (the 0-block pair shares nothing)
     assert kv.prefix_hits >= sum(k * BS for k in SHARED_BLOCKS)
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
     # The same prompts again, all in one batch: now served from the cache, still identical.
     hits_before = kv.prefix_hits
     again, outs = _run(llm, prompts)
@@ -86,7 +82,7 @@ def test_caching_under_preemption(tiny_path, reference, budget):
     assert got == expected
     assert llm.llm_engine.stats.num_preemptions > 0
     assert llm.llm_engine.kv_manager.prefix_hits > 0  # preempted requests re-find their own blocks
-    assert _pool_whole(llm)
+    assert pool_is_whole(llm)
 
 
 def test_cache_salt_prevents_sharing(tiny_path):

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from pagellm.config import EngineConfig, default_kv_cache_memory, default_num_threads
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -176,7 +177,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for each request that got a token or finished."""
-        so = self.scheduler.schedule()
+        with record_function("pagellm.schedule"):
+            so = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if so.is_empty:
             return []
@@ -185,7 +187,8 @@ class LLMEngine:
             self.stats.prompt_tokens_computed += max(0, min(s.request.num_prompt_tokens - s.start, s.num_tokens))
         reqs, sampled = self.runner.execute(so)
         self.stats.num_steps += 1
-        outputs = self._update(reqs, sampled) if reqs else []
+        with record_function("pagellm.update_detokenize"):
+            outputs = self._update(reqs, sampled) if reqs else []
         self.stats.num_used_blocks = self.kv_manager.pool.num_used_blocks
         return self._merge_children(outputs) if self.parent_of else outputs
 

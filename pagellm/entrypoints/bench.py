@@ -48,6 +48,25 @@ class PeakRSS:
         return max(self.peak, own_max) / 2**20
 
 
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    prof.__enter__()
+    return prof
+
+
+def _stop_profiler(prof) -> dict[str, float]:
+    """Seconds per engine phase (the ``pagellm.*`` ranges) in the JSON line; the top ops table on stderr.
+    Profiling adds overhead, so wall time under --profile runs slower than without."""
+    prof.__exit__(None, None, None)
+    averages = prof.key_averages()
+    phases = {e.key.removeprefix("pagellm."): round(e.cpu_time_total / 1e6, 3) for e in averages
+              if e.key.startswith("pagellm.")}
+    sys.stderr.write(averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    return phases
+
+
 def load_workload(path: str) -> tuple[dict, list[list[int]]]:
     with open(path) as f:
         d = json.load(f)
@@ -75,6 +94,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     engine.reset_stats()
 
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    profiler = _start_profiler() if a.profile else None
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -98,6 +118,8 @@ def cmd_throughput(a: argparse.Namespace) -> None:
         "prefix_caching": engine.config.enable_prefix_caching,
         "prefix_cache_hit_rate": round(engine.kv_manager.prefix_hit_rate, 4),
     }
+    if profiler is not None:
+        result["profile_s"] = _stop_profiler(profiler)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from pagellm.core.scheduler import SchedulerOutput
 from pagellm.model_executor.layers.attention import AttentionMetadata
@@ -118,11 +119,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> tuple[list, SamplerOutput | None]:
         """Run one step; returns the requests that sampled a token (in row order) and the sampler's output."""
-        input_ids, positions, meta, logits_indices, sampling_reqs = self._prepare(so)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        with record_function("pagellm.prepare_inputs"):
+            input_ids, positions, meta, logits_indices, sampling_reqs = self._prepare(so)
+        with record_function("pagellm.forward"):
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         if not sampling_reqs:
             return [], None
-        return sampling_reqs, self.sampler(logits, self._sampling_metadata(sampling_reqs))
+        with record_function("pagellm.sample"):
+            return sampling_reqs, self.sampler(logits, self._sampling_metadata(sampling_reqs))
 
 
 def _pad(rows: list[list[int]], device) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
@@ -84,7 +85,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        with record_function("pagellm.attention_backend"):
+            o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -109,8 +111,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s)
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        with record_function("pagellm.layer.attention"):
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        with record_function("pagellm.layer.mlp"):
+            return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -93,6 +93,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     kv_cache_memory: int | str | None = None
+    preemption_mode: str = "recompute"  # or "swap": preempted requests' KV moves to host memory and back
+    swap_space: int | str = "1GiB"  # host memory for swapped-out blocks (used when preemption_mode="swap")
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     device: str | None = None
@@ -119,6 +121,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'cpu' or 'torch', got {self.attention_backend!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        self.swap_space = parse_size(self.swap_space, "swap_space")
         self.torch_device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def finalize(self, checkpoint_dtype: torch.dtype, model_max_len: int) -> None:

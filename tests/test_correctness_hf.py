@@ -89,17 +89,23 @@ def test_tiny_architectures_match_hf(tiny_expected, arch, block_size):
     assert pool_is_whole(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_preemption_matches_hf(tiny_expected, arch):
+@pytest.mark.parametrize("arch,mode", [("llama", "recompute"), ("qwen3", "recompute"), ("llama", "swap"),
+                                       ("qwen2", "swap")])
+def test_tiny_preemption_matches_hf(tiny_expected, arch, mode):
     path, prompts, expected = tiny_expected(arch)
     llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_seqs=8)
     per_block = llm.llm_engine.runner.kv_cache_bytes // llm.llm_engine.kv_manager.num_blocks
-    llm = LLM(model=str(path), dtype="float32", block_size=16, kv_cache_memory=24 * per_block)
+    llm = LLM(model=str(path), dtype="float32", block_size=16, kv_cache_memory=24 * per_block,
+              preemption_mode=mode, swap_space=64 * per_block, max_num_batched_tokens=64)
     assert llm.llm_engine.kv_manager.num_blocks == 24
     _, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
-    assert llm.llm_engine.stats.num_preemptions > 0
+    stats = llm.llm_engine.stats
+    assert stats.num_preemptions > 0
+    assert (stats.num_swaps_out > 0) == (mode == "swap")
     assert pool_is_whole(llm)
+    host = llm.llm_engine.kv_manager.host_pool
+    assert host is None or host.num_free_blocks == host.num_blocks
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -70,18 +70,22 @@ def test_caching_on_matches_off(tiny_path, reference, budget):
     assert max(o.metrics["num_cached_tokens"] for o in outs) >= 100 * BS
 
 
-@pytest.mark.parametrize("budget", [64, 256])
-def test_caching_under_preemption(tiny_path, reference, budget):
+@pytest.mark.parametrize("budget,mode", [(64, "recompute"), (256, "recompute"), (64, "swap"), (256, "swap")])
+def test_caching_under_preemption(tiny_path, reference, budget, mode):
     prompts, expected = reference
     per_block = 2 * 2 * BS * 2 * 16 * 4  # layers * (K,V) * block * kv_heads * head_dim * fp32
     # 104 blocks: just enough for the longest request (826 tokens) alone, so the batch must preempt.
     llm = LLM(model=tiny_path, dtype="float32", block_size=BS, kv_cache_memory=104 * per_block,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, preemption_mode=mode, swap_space=400 * per_block)
     assert llm.llm_engine.kv_manager.num_blocks == 104
     got, _ = _run(llm, prompts)
     assert got == expected
-    assert llm.llm_engine.stats.num_preemptions > 0
-    assert llm.llm_engine.kv_manager.prefix_hits > 0  # preempted requests re-find their own blocks
+    stats, kv = llm.llm_engine.stats, llm.llm_engine.kv_manager
+    assert stats.num_preemptions > 0
+    if mode == "recompute":
+        assert kv.prefix_hits > 0  # preempted requests re-find their own blocks
+    else:
+        assert stats.num_swaps_out > 0 and kv.host_pool.num_free_blocks == kv.host_pool.num_blocks
     assert pool_is_whole(llm)
 
 
@@ -112,6 +116,12 @@ def _check(sched: Scheduler, live: list[Request]) -> None:
         assert (b.ref_cnt == 0) == (b.block_id in free_ids)
     for h, b in pool.cached.items():
         assert b.block_hash == h
+    host = sched.kv.host_pool
+    if host is not None:  # host blocks: owned by exactly the swapped requests
+        owned = [b.block_id for r in live for b in r.host_blocks]
+        assert len(owned) == len(set(owned)) == host.num_used_blocks
+        assert all((r.status == RequestStatus.SWAPPED) == bool(r.host_blocks) for r in live)
+        assert all(not r.blocks for r in live if r.status == RequestStatus.SWAPPED)
     for r in live:
         # the leading blocks of a request hold exactly its tokens' chained hashes where registered
         for i in range(r.num_cached_blocks):
@@ -133,9 +143,10 @@ def _step(sched: Scheduler, live: list[Request]) -> int:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_blocks=st.integers(6, 30), block_size=st.sampled_from([2, 4, 8]),
-       budget=st.integers(1, 64))
-def test_random_interleavings_never_leak(data, num_blocks, block_size, budget):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+       budget=st.integers(1, 64), host_blocks=st.sampled_from([0, 0, 4, 40]))
+def test_random_interleavings_never_leak(data, num_blocks, block_size, budget, host_blocks):
+    """Prefix caching (hashed blocks, eviction) with recompute or swap preemption (host pool of 4 or 40)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, num_host_blocks=host_blocks)
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget)
     prefixes = [[1] * 40, [2] * 40, list(range(3, 43))]
     live: list[Request] = []
@@ -163,3 +174,6 @@ def test_random_interleavings_never_leak(data, num_blocks, block_size, budget):
         _check(sched, live)
     pool = kv.pool
     assert pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in pool.blocks)
+    if kv.host_pool is not None:
+        assert kv.host_pool.num_free_blocks == host_blocks
+        assert all(b.ref_cnt == 0 for b in kv.host_pool.blocks)

@@ -32,9 +32,12 @@ def root_hash(salt: str | None) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        # Swap preemption: a second pool of blocks in host memory (None when preemption is by recompute).
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of which found in the cache
@@ -111,6 +114,38 @@ class KVCacheManager:
             self.pool.free(list(reversed(request.blocks)))
             request.blocks = []
         request.num_cached_blocks = 0
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move a request's blocks to host blocks; returns (device, host) block pairs for the runner to copy,
+        or None if the host pool cannot take them (the caller then recomputes instead)."""
+        if self.host_pool is None or len(request.blocks) > self.host_pool.num_free_blocks:
+            return None
+        host = self.host_pool.allocate(len(request.blocks))
+        pairs = [(d.block_id, h.block_id) for d, h in zip(request.blocks, host)]
+        self.free(request)  # device blocks go back to the pool (cached ones stay findable)
+        request.host_blocks = host
+        return pairs
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        return need <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Bring a swapped request back into fresh device blocks (plus room for its next tokens); returns
+        (host, device) block pairs to copy. Call can_swap_in first."""
+        device = self.pool.allocate(len(request.host_blocks))
+        pairs = [(h.block_id, d.block_id) for h, d in zip(request.host_blocks, device)]
+        self.host_pool.free(list(reversed(request.host_blocks)))
+        request.host_blocks = []
+        request.blocks = device
+        ok = self.allocate_slots(request, num_new_tokens)
+        assert ok, "can_swap_in was not checked"
+        return pairs
+
+    def free_host(self, request: Request) -> None:
+        if request.host_blocks:
+            self.host_pool.free(list(reversed(request.host_blocks)))
+            request.host_blocks = []
 
     def usage(self) -> float:
         return self.pool.usage()

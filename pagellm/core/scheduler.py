@@ -36,6 +36,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Swap preemption: block copies the runner performs before this step's forward pass.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def total_num_tokens(self) -> int:
@@ -55,14 +58,16 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # swapped out, oldest first; they come back before new requests
         self.num_preemptions = 0
+        self.num_swaps_out = 0
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -75,7 +80,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
@@ -86,8 +91,21 @@ class Scheduler:
                 continue
             break  # req preempted itself: it was the last running request
 
-        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to spare).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        # 2. Swapped-out requests come back first (oldest first), unless this step had to preempt.
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(req, n):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.kv.swap_in(req, n))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+
+        # 3. Waiting requests, FCFS, unless this step preempted or swapped requests still wait.
+        while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
             computed = self.kv.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size
@@ -108,12 +126,20 @@ class Scheduler:
                 s.request.num_prefill_chunks += 1
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Swap the request's KV to host memory when a host pool exists and has room; else recompute later."""
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        pairs = self.kv.swap_out(req)
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            req.status = RequestStatus.SWAPPED
+            self.num_swaps_out += 1
+            self.swapped.appendleft(req)  # victims go newest first, so the oldest ends up in front
+            return
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
@@ -121,6 +147,9 @@ class Scheduler:
         assert status.finished
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.kv.free_host(req)
         elif not req.is_finished:
             self.waiting.remove(req)
         req.status = status

@@ -40,6 +40,7 @@ class EngineStats:
     kv_cache_bytes: int
     num_used_blocks: int = 0
     num_preemptions: int = 0
+    num_swaps_out: int = 0
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
@@ -78,10 +79,13 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block ({per_block} bytes each at "
                              f"block_size={config.block_size}); give at least {per_block}")
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        num_host_blocks = config.swap_space // per_block if config.preemption_mode == "swap" else 0
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev,
+                                  num_host_blocks)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children
@@ -168,7 +172,7 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Start counters afresh (benchmarks call this after warm-up)."""
         self.stats = EngineStats(self.stats.num_blocks, self.stats.block_size, self.stats.kv_cache_bytes)
-        self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_swaps_out = 0
         self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
 
     def has_unfinished_requests(self) -> bool:
@@ -180,6 +184,9 @@ class LLMEngine:
         with record_function("pagellm.schedule"):
             so = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.num_swaps_out = self.scheduler.num_swaps_out
+        if so.swap_out or so.swap_in:
+            self.runner.swap(so)
         if so.is_empty:
             return []
         self._record_kv_usage()

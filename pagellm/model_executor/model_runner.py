@@ -23,7 +23,7 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_host_blocks: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -35,7 +35,22 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        # Swap space for preempted requests: the same layout in host memory (pinned when the cache is on a GPU).
+        self.host_kv_cache = None
+        if num_host_blocks:
+            self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads,
+                                             s.head_dim, dtype=dtype, pin_memory=device.type == "cuda")
         self.sampler = Sampler()
+
+    def swap(self, so: SchedulerOutput) -> None:
+        """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""
+        if so.swap_out:
+            dev, host = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_out))
+            self.host_kv_cache.index_copy_(2, host, self.kv_cache.index_select(2, dev.to(self.device)).cpu())
+        if so.swap_in:
+            host, dev = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_in))
+            blocks = self.host_kv_cache.index_select(2, host).to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(2, dev.to(self.device), blocks)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, so: SchedulerOutput):

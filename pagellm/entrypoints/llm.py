@@ -77,6 +77,26 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params) -> list:
+        """Beam search (vLLM's signature: ``BeamSearchParams``); HF transformers' scoring and stopping rules,
+        see ``entrypoints/beam_search.py``. Returns one ``BeamSearchOutput`` per prompt, best sequence first."""
+        from pagellm.entrypoints.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tok = self.llm_engine.tokenizer
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    raise ValueError("prompts: this model has no tokenizer; give prompt_token_ids")
+                ids.append(tok.encode(p))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                ids.append(list(p["prompt_token_ids"]))
+            else:
+                raise ValueError("prompts: expected strings or dicts with 'prompt_token_ids'")
+        return beam_search(self, ids, params)
+
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         if isinstance(prompt, str):
             return self.llm_engine.add_request(prompt=prompt, sampling_params=params)

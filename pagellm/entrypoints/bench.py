@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -74,6 +75,26 @@ def load_workload(path: str) -> tuple[dict, list[list[int]]]:
 
 
 def cmd_throughput(a: argparse.Namespace) -> None:
+    """One JSON line; with --compare-prefix-caching, two runs (cache on, then off) and a summary line."""
+    if not a.compare_prefix_caching:
+        _emit(_throughput(a, None))
+        return
+    on = _throughput(a, True)
+    _emit(on)
+    gc.collect()
+    off = _throughput(a, False)
+    _emit(off)
+    _emit({"prefix_caching_summary": True, "hit_rate": on["prefix_cache_hit_rate"],
+           "prefill_tokens_computed_drop": round(1 - on["prompt_tokens_computed"] / off["prompt_tokens_computed"], 4),
+           "total_tok_per_s_speedup": round(on["total_tok_per_s"] / off["total_tok_per_s"], 2)})
+
+
+def _emit(result: dict) -> None:
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     from pagellm import LLM, SamplingParams
     from pagellm.entrypoints.cli import engine_kwargs
 
@@ -82,8 +103,11 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     if a.num_prompts:
         prompts = prompts[:a.num_prompts]
     out_len = int(meta["output_len"])
+    kwargs = engine_kwargs(a)
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = prefix_caching
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(a))
+    llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
 
@@ -120,8 +144,7 @@ def cmd_throughput(a: argparse.Namespace) -> None:
     }
     if profiler is not None:
         result["profile_s"] = _stop_profiler(profiler)
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    return result
 
 
 def cmd_latency(a: argparse.Namespace) -> None:

@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     t = bsub.add_parser("throughput", help="offline throughput on a token-id workload (one JSON line)")
     t.add_argument("--workload", required=True, help="workload JSON: {meta: {output_len}, prompts: [[ids]]}")
     t.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    t.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run with prefix caching, then without, and print both lines plus the drop/speed-up")
     t.add_argument("--profile", action="store_true",
                    help="torch profiler: seconds per phase (schedule, inputs, forward, attention, mlp, sample, "
                         "detokenize) in the JSON line, top ops on stderr")

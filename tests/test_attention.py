@@ -63,7 +63,7 @@ def make_case(q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2, dim=32, 
     t = torch.from_numpy
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), block_tables=t(tables), seq_lens=t(seq), query_start_loc=t(cu),
-        block_size=block_size, seq_lens_list=seq.tolist(), query_start_list=cu.tolist(),
+        seq_lens_list=seq.tolist(), query_start_list=cu.tolist(),
         query_lens_list=q_lens_np.tolist(), decode_q_idx=t(cu[:-1][dec]),
         decode_block_tables=t(np.ascontiguousarray(tables[dec])), decode_seq_lens=t(seq[dec]),
         max_decode_seq_len=int(seq[dec].max()) if len(dec) else 0,

@@ -47,10 +47,6 @@ class EngineStats:
     peak_used_blocks: int = 0
     kv_slot_efficiency_at_peak: float = 1.0
 
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:

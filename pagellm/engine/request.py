@@ -99,7 +99,4 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                           RequestStatus.FINISHED_ABORTED):
-            return self.status.value
-        return None
+        return self.status.value if self.status.finished else None

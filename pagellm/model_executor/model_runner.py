@@ -27,8 +27,6 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.dtype = dtype
-        self.vocab_size = model.shape.vocab_size
         s = model.shape
         # One tensor for all layers: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
@@ -84,7 +82,7 @@ class ModelRunner:
         t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
-            query_start_loc=t(cu), block_size=bs, seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),
+            query_start_loc=t(cu), seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),
             query_lens_list=q_lens.tolist(), decode_q_idx=t(cu[:-1][decode_rows]),
             decode_block_tables=t(np.ascontiguousarray(block_tables[decode_rows])),
             decode_seq_lens=t(seq_lens[decode_rows]), prefill_rows=prefill_rows,

@@ -25,9 +25,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (block_id * block_size + offset)
     block_tables: torch.Tensor  # [R, max_blocks] int64, padded with 0
+    # Varlen form of the batch (what FlashAttention-style GPU kernels take); the CPU backends use the host lists.
     seq_lens: torch.Tensor  # [R] int64: context length after this step
     query_start_loc: torch.Tensor  # [R + 1] int64
-    block_size: int
     # Host-side copies and the decode/prefill split, computed once per step for the backend's dispatch.
     seq_lens_list: list[int]
     query_start_list: list[int]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.model_executor.layers.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from pagellm.model_executor.layers.attention import AttentionMetadata, TorchPagedAttention
 
 
 def dense_reference(q, k, v, q_lens, ctx_lens, scale, window):
@@ -28,14 +28,17 @@ def dense_reference(q, k, v, q_lens, ctx_lens, scale, window):
     return torch.cat(outs)
 
 
-def make_case(q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2, dim=32, seed=0):
-    """Random K/V for each request's whole context, scattered into shuffled blocks; new tokens written by the
-    backend. Returns the backend inputs and the dense tensors."""
+def make_case(backend, q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2, dim=32, seed=0):
+    """Random K/V for each request's whole context, scattered into shuffled blocks (earlier tokens written with
+    the backend's own writer); new tokens are left for the backend. Returns its inputs and the dense tensors."""
     g = torch.Generator().manual_seed(seed)
     R = len(q_lens)
     nblocks = sum(-(-c // block_size) for c in ctx_lens) + 3
     perm = torch.randperm(nblocks, generator=g).tolist()
-    kv_cache = torch.zeros(2, nblocks, block_size, kv_heads, dim, dtype=dtype)
+    # The C++ kernel must never read a slot outside a context, even multiplied by 0: unused slots hold NaN for it.
+    # (The torch reference masks scores, so it needs finite stale values, as a zero-initialised pool has.)
+    fill = 0.0 if type(backend) is TorchPagedAttention else float("nan")
+    kv_cache = torch.full((2, nblocks, block_size * kv_heads * dim), fill, dtype=dtype)
     k_all = [torch.randn(c, kv_heads, dim, generator=g).to(dtype) for c in ctx_lens]
     v_all = [torch.randn(c, kv_heads, dim, generator=g).to(dtype) for c in ctx_lens]
     max_blocks = max(-(-c // block_size) for c in ctx_lens)
@@ -44,17 +47,20 @@ def make_case(q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2, dim=32, 
         n = -(-c // block_size)
         tables[r, :n] = [perm.pop() for _ in range(n)]
     # cached (earlier) tokens go straight into the cache; the new ones are passed as k/v to the backend
-    new_k, new_v, slots = [], [], []
+    new_k, new_v, slots, old_k, old_v, old_slots = [], [], [], [], [], []
     for r, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
         for p in range(c):
             slot = tables[r, p // block_size] * block_size + p % block_size
             if p < c - ql:
-                kv_cache[0].view(-1, kv_heads, dim)[slot] = k_all[r][p]
-                kv_cache[1].view(-1, kv_heads, dim)[slot] = v_all[r][p]
+                old_slots.append(slot)
+                old_k.append(k_all[r][p])
+                old_v.append(v_all[r][p])
             else:
                 slots.append(slot)
                 new_k.append(k_all[r][p])
                 new_v.append(v_all[r][p])
+    if old_slots:
+        backend.write_kv(kv_cache, torch.stack(old_k), torch.stack(old_v), torch.tensor(old_slots))
     T = sum(q_lens)
     q = torch.randn(T, heads, dim, generator=g).to(dtype)
     q_lens_np, seq = np.array(q_lens), np.array(ctx_lens)
@@ -75,7 +81,7 @@ def backends():
     out = [TorchPagedAttention]
     try:
         from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
-        CPUPagedAttention()
+        CPUPagedAttention(2, 32, 16)
         out.append(CPUPagedAttention)
     except Exception as e:  # pragma: no cover - no compiler
         pytest.fail(f"CPU kernel did not build: {e}")
@@ -83,27 +89,40 @@ def backends():
 
 
 @pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (9, 3, 64), (9, 1, 64), (4, 2, 48)],
-                         ids=["gqa3-d32", "gqa3-d64", "mqa9-d64", "d48"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 32), (9, 3, 64), (9, 1, 64), (8, 2, 128), (4, 2, 48)],
+                         ids=["gqa3-d32", "gqa3-d64", "mqa9-d64", "gqa4-d128", "d48"])
 def test_mixed_batch_matches_dense(backend_cls, dtype, block_size, window, heads, kv_heads, dim):
     # decodes with short and long contexts, a fresh prompt, a later chunk of a prompt, a decode at position 0;
-    # head shapes cover the kernel's grouped path, its per-head path (9 heads per kv head) and plain C++ (d48)
+    # head shapes cover the kernel's grouped path, its split into subgroups (9 heads per kv head: 6 + 3; d128:
+    # 3 + 1) and the portable C++ path (d48)
     q_lens = [1, 1, 7, 1, 12, 1]
     ctx_lens = [1, 40, 7, 100, 30, 17]
-    q, k, v, cache, meta, k_all, v_all = make_case(q_lens, ctx_lens, block_size, dtype, heads, kv_heads, dim)
-    out = backend_cls().forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    backend = backend_cls(kv_heads, dim, block_size)
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, dtype, heads, kv_heads,
+                                                   dim)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
     ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
 
 
-def test_write_kv_puts_rows_in_their_slots():
-    cache = torch.zeros(2, 4, 8, 2, 4)
-    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
-    write_kv(cache, k, -k, torch.tensor([0, 9, 31]))
-    assert torch.equal(cache[0, 0, 0], k[0]) and torch.equal(cache[0, 1, 1], k[1]) and torch.equal(cache[0, 3, 7], k[2])
-    assert torch.equal(cache[1, 3, 7], -k[2])
-    assert cache.abs().sum() == 2 * k.abs().sum()
+@pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_then_gather_round_trips(backend_cls, dtype):
+    kv_heads, dim, bs = 2, 32, 8
+    backend = backend_cls(kv_heads, dim, bs)
+    cache = torch.zeros(2, 6, bs * kv_heads * dim, dtype=dtype)
+    k = torch.randn(20, kv_heads, dim).to(dtype)
+    v = torch.randn(20, kv_heads, dim).to(dtype)
+    blocks = torch.tensor([4, 1, 5])  # positions 0..19 live in blocks 4, 1, 5
+    slots = torch.tensor([blocks[p // bs].item() * bs + p % bs for p in range(20)])
+    backend.write_kv(cache, k, v, slots)
+    gk, gv = backend.gather(cache, blocks, 20)
+    assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+    # untouched blocks stay zero: each row went to its own slot only
+    assert cache[:, [0, 2, 3]].abs().sum() == 0
+    gk, _ = backend.gather(cache, blocks, 11)
+    assert torch.equal(gk, k[:11].transpose(0, 1))

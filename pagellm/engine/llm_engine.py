@@ -23,7 +23,9 @@ from pagellm.engine.request import Request, RequestStatus
 from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
 from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
+from pagellm.model_executor.allocator import tune_host_allocator
 from pagellm.model_executor.models import build_model
+from pagellm.model_executor.models.llama import ModelShape
 from pagellm.model_executor.sampler import SamplerOutput
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -54,6 +56,8 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or default_num_threads())
         t0 = time.perf_counter()
         dev = config.torch_device
+        if dev.type == "cpu":
+            tune_host_allocator()
         dtype_hint = None if config.dtype == "auto" else config.dtype
         ckpt = load_checkpoint(config.model, dtype_hint)
         cfg = ckpt.hf_config
@@ -62,8 +66,11 @@ class LLMEngine:
             ckpt.weights = {k: v.to(config.torch_dtype) for k, v in ckpt.weights.items()}
         self.hf_config = cfg
         self.tokenizer = ckpt.tokenizer
-        self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev,
-                                 select_backend(config.attention_backend, dev), config.max_model_len)
+        shape = ModelShape(cfg, ckpt.architecture)
+        backend = select_backend(config.attention_backend, dev, shape.num_kv_heads, shape.head_dim,
+                                 config.block_size)
+        self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev, backend,
+                                 config.max_model_len)
         del ckpt
         self.vocab_size = self.model.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)

@@ -28,16 +28,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         s = model.shape
-        # One tensor for all layers: [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                                    dtype=dtype, device=device)
+        # One tensor for all layers: [layers, 2 (K, V), num_blocks, block elements]; the attention backend owns
+        # the layout inside a block (block_size x kv_heads x head_dim elements).
+        block_elems = block_size * s.num_kv_heads * s.head_dim
+        self.kv_cache = torch.zeros(s.num_layers, 2, num_blocks, block_elems, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         # Swap space for preempted requests: the same layout in host memory (pinned when the cache is on a GPU).
         self.host_kv_cache = None
         if num_host_blocks:
-            self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_size, s.num_kv_heads,
-                                             s.head_dim, dtype=dtype, pin_memory=device.type == "cuda")
+            self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_elems, dtype=dtype,
+                                             pin_memory=device.type == "cuda")
         self.sampler = Sampler()
 
     def swap(self, so: SchedulerOutput) -> None:

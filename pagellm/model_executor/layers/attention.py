@@ -41,18 +41,25 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Interface of an attention backend: write this step's K/V into the cache, attend through block tables."""
+    """Interface of an attention backend. A layer's cache is one tensor [2 (K, V), num_blocks, block_elems]; the
+    backend owns the layout inside a block (``views``), writes this step's K/V into it and attends through the
+    block tables. ``ops`` holds fused element-wise kernels that go with the backend (None: plain torch)."""
+
+    ops = None
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``ctx`` tokens held in ``blocks``, each [kv_heads, ctx, head_dim]."""
+        raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         raise NotImplementedError
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]."""
-    k_flat, v_flat, _ = _flat(kv_cache)
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
 
 
 def _key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
@@ -65,29 +72,50 @@ def _key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference backend in plain torch.
+    """Reference backend in plain torch; runs on CPU and CUDA. A block holds [block_size, kv_heads, head_dim].
 
     Decode rows (one query token) are done together: their K/V is gathered from the blocks into a padded batch
     for this layer only (a transient, freed right away), masked by length, one SDPA call. Prefill chunks are few
-    per step; each is gathered and attended with an offset causal mask.
+    per step; each attends with an offset causal mask to its context (gathered, unless the chunk is the whole
+    context, when the chunk's own K/V are used as they are).
     """
 
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_slots, kv_heads, head_dim] (slot = block * block_size + offset)."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return kv_cache[0].view(shape), kv_cache[1].view(shape)
+
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        k_flat, v_flat = self.views(kv_cache)
+        k_flat.index_copy_(0, slot_mapping, k)
+        v_flat.index_copy_(0, slot_mapping, v)
+
+    def gather(self, kv_cache, blocks, ctx):
+        k_flat, v_flat = self.views(kv_cache)
+        bs = self.block_size
+        slots = (blocks[:-(-ctx // bs), None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)[:ctx]
+        return k_flat[slots].transpose(0, 1), v_flat[slots].transpose(0, 1)
+
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not meta.prefill_rows:  # a pure decode step: no gather/scatter of rows
+            return self.decode(q, kv_cache, meta, scale, sliding_window)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode_q_idx.numel():
             q_idx = meta.decode_q_idx
             out[q_idx] = self.decode(q[q_idx], kv_cache, meta, scale, sliding_window)
         for r in meta.prefill_rows:
             q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
-            out[q0:q0 + qlen] = self.prefill(q[q0:q0 + qlen], kv_cache, meta, r, scale, sliding_window)
+            rows = slice(q0, q0 + qlen)
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: int | None) -> torch.Tensor:
         """q: [Rd, H, D], one query per decode row (the last position of its context) -> [Rd, H, D]."""
         ctx = meta.max_decode_seq_len
-        k_flat, v_flat, bs = _flat(kv_cache)
+        k_flat, v_flat = self.views(kv_cache)
+        bs = self.block_size
         slots = (meta.decode_block_tables[:, :-(-ctx // bs), None] * bs
                  + torch.arange(bs, device=q.device)).reshape(q.shape[0], -1)[:, :ctx]  # [Rd, L]
         kd = k_flat[slots].transpose(1, 2)  # [Rd, Hkv, L, D]
@@ -98,15 +126,15 @@ class TorchPagedAttention(AttentionBackend):
                                            enable_gqa=q.shape[1] != kd.shape[1])
         return o.squeeze(2)
 
-    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, r: int, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """q: [Lq, H, D], the last Lq positions of request r's context -> [Lq, H, D]."""
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, r: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """q, k, v: [Lq, heads, D], the last Lq positions of request r's context -> [Lq, H, D]."""
         qlen, ctx = q.shape[0], meta.seq_lens_list[r]
-        k_flat, v_flat, bs = _flat(kv_cache)
-        slots = (meta.block_tables[r, :-(-ctx // bs), None] * bs + torch.arange(bs, device=q.device)).reshape(-1)[:ctx]
-        kp = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        vp = v_flat[slots].transpose(0, 1).unsqueeze(0)
-        qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+        if qlen == ctx:  # the whole context is in this chunk
+            kp, vp = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            kp, vp = self.gather(kv_cache, meta.block_tables[r], ctx)
+        kp, vp, qp = kp.unsqueeze(0), vp.unsqueeze(0), q.transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = q.shape[1] != kp.shape[1]
         if qlen == ctx and sliding_window is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -118,22 +146,18 @@ class TorchPagedAttention(AttentionBackend):
         return o[0].transpose(0, 1)
 
 
-def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """K and V of one layer as [num_slots, Hkv, D] views, and the block size."""
-    nb, bs = kv_cache.shape[1], kv_cache.shape[2]
-    return kv_cache[0].view(nb * bs, *kv_cache.shape[3:]), kv_cache[1].view(nb * bs, *kv_cache.shape[3:]), bs
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto": the C++ CPU kernel on CPU (torch reference if it cannot be built), the reference elsewhere."""
+def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim: int,
+                   block_size: int) -> AttentionBackend:
+    """"auto": the C++ CPU kernels on CPU (torch reference if they cannot be built), the reference elsewhere."""
+    args = (num_kv_heads, head_dim, block_size)
     if name == "torch" or (name == "auto" and device.type != "cpu"):
-        return TorchPagedAttention()
+        return TorchPagedAttention(*args)
     from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
 
     if name == "cpu":
-        return CPUPagedAttention()
+        return CPUPagedAttention(*args)
     try:
-        return CPUPagedAttention()
+        return CPUPagedAttention(*args)
     except Exception as e:  # no compiler, no headers...: stay correct, only slower
-        logger.warning("CPU attention kernel unavailable (%s); using the torch reference backend", e)
-        return TorchPagedAttention()
+        logger.warning("CPU kernels unavailable (%s); using the torch reference backend", e)
+        return TorchPagedAttention(*args)

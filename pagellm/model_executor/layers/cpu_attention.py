@@ -1,57 +1,47 @@
-"""CPU PagedAttention backend: decode rows through a small C++ kernel that reads K/V in place from the blocks.
+"""CPU PagedAttention backend: the C++ kernels of ``csrc/paged_attention_cpu.cpp`` behind the backend interface.
 
-The kernel (``csrc/paged_attention_cpu.cpp``) is compiled once with ``torch.utils.cpp_extension`` into the
-pagellm cache dir (``make install`` does it ahead of time; otherwise the first engine start does). If no
-compiler is available the engine falls back to the torch reference backend and says so. Prefill chunks use the
-reference path (SDPA's flash kernel), which is already efficient for many query rows.
+The cache uses the kernel's own layout (x = 4 bytes / element size, so 2 for bf16 and 1 for fp32):
+K [num_blocks, kv_heads, head_dim/x, block_size, x], V [num_blocks, kv_heads, block_size/x, head_dim, x].
+Decode rows read K/V in place from the blocks; prefill chunks gather their context once per layer and use
+SDPA's flash kernel, which is already efficient for many query rows. The backend also carries the fused
+element-wise ops (``ops``) the model uses on CPU.
 """
 from __future__ import annotations
-
-import hashlib
-import logging
-import pathlib
-from functools import lru_cache
 
 import torch
 
 from pagellm.model_executor.layers.attention import AttentionMetadata, TorchPagedAttention
-
-logger = logging.getLogger("pagellm")
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-
-
-@lru_cache(maxsize=1)
-def load_extension():
-    """Build (first time) and import the kernel; the build dir is keyed by the source's hash."""
-    from torch.utils import cpp_extension
-
-    from pagellm.model_executor.default_model import cache_dir
-
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"pagellm_paged_attention_cpu_{digest}"
-    build_dir = cache_dir() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("compiling the CPU paged-attention kernel into %s (once)", build_dir)
-    cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
-    return torch.ops.pagellm
+from pagellm.model_executor.layers.cpu_kernels import load_extension
 
 
 class CPUPagedAttention(TorchPagedAttention):
-    def __init__(self) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        if block_size % 2:
+            raise ValueError(f"block_size must be even for the CPU kernels, got {block_size}")
         self.ops = load_extension()
+
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, x = kv_cache.shape[1], 4 // kv_cache.element_size()
+        h, d, b = self.num_kv_heads, self.head_dim, self.block_size
+        return kv_cache[0].view(nb, h, d // x, b, x), kv_cache[1].view(nb, h, b // x, d, x)
+
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        kc, vc = self.views(kv_cache)
+        self.ops.write_kv_cache(k, v, kc, vc, slot_mapping)
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.views(kv_cache)
+        blocks = blocks[:-(-ctx // self.block_size)]
+        h, d = self.num_kv_heads, self.head_dim
+        k = kc[blocks].permute(1, 0, 3, 2, 4).reshape(h, -1, d)[:, :ctx]
+        v = vc[blocks].permute(1, 0, 2, 4, 3).reshape(h, -1, d)[:, :ctx]
+        return k, v
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: int | None) -> torch.Tensor:
-        out = torch.empty_like(q)
-        self.ops.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
-                                        out, scale, sliding_window or 0)
+        kc, vc = self.views(kv_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.ops.paged_decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, out, scale,
+                                        sliding_window or 0)
         return out
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    load_extension()
-    print("CPU paged-attention kernel ready")

@@ -48,12 +48,13 @@ class RotaryEmbedding(nn.Module):
         raise AssertionError(rope_type)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows for this step's positions, [T, 1, head_dim] in ``dtype``: once per step, shared by layers."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos, sin rows for this step's positions, [T, head_dim] in ``dtype``: once per step, shared by layers."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [T, H, D], k: [T, Hkv, D] -> rotated (rotate-half convention, as HF Llama)."""
+    """q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D] -> rotated (rotate-half convention, as HF Llama)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

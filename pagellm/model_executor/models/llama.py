@@ -15,18 +15,37 @@ from torch import nn
 from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
+from pagellm.model_executor.layers.linear import PACKED_MAX_ROWS, pack_weight, packed_linear, prepack_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """As HF's LlamaRMSNorm: normalise in fp32, scale in the activation dtype."""
+    """As HF's LlamaRMSNorm: normalise in fp32, scale in the activation dtype.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    With a residual, first adds it (``residual = x + residual``, as HF's skip connection) and returns both the
+    normalised sum and the new residual. ``ops`` are the fused CPU kernels (in place, one pass); None: torch.
+    """
+
+    def __init__(self, dim: int, eps: float, ops=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if residual is None:
+                out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                self.ops.rms_norm(x, self.weight, out, self.eps)
+                return out
+            self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,6 +94,7 @@ class Attention(nn.Module):
         self.scale = s.head_dim ** -0.5
         self.sliding_window = s.sliding_windows[layer_idx]
         self.backend = backend
+        self.ops = backend.ops
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -84,37 +104,55 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, *rope)  # in place, q and k stay views of qkv
+        else:
+            q, k = apply_rotary(q, k, *rope)
         with record_function("pagellm.attention_backend"):
             o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, s: ModelShape) -> None:
+    def __init__(self, s: ModelShape, ops=None) -> None:
         super().__init__()
         self.intermediate_size = s.intermediate_size
         self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.ops = ops
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            h = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
+            self.ops.silu_and_mul(gate_up, h)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream travels separately (as in vLLM) so each skip-add fuses into the
+    next norm: returns (this layer's output, residual); the caller adds them in the next norm."""
+
     def __init__(self, s: ModelShape, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.eps, backend.ops)
         self.self_attn = Attention(s, layer_idx, backend)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps)
-        self.mlp = MLP(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.eps, backend.ops)
+        self.mlp = MLP(s, backend.ops)
 
-    def forward(self, x, rope, kv_cache, meta):
+    def forward(self, x, residual, rope, kv_cache, meta):
         with record_function("pagellm.layer.attention"):
-            x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm(x, residual)
+            h = self.self_attn(h, rope, kv_cache, meta)
         with record_function("pagellm.layer.mlp"):
-            return x + self.mlp(self.post_attention_layernorm(x))
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,19 +162,29 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, s.head_dim, max(max_position, 1))
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.eps)
+        self.norm = RMSNorm(s.hidden_size, s.eps, backend.ops)
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (fp32)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        if self.lm_head_packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return packed_linear(x, self.lm_head_packed, None).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
+
+    def prepack(self) -> None:
+        """CPU decode speed: pre-pack the weights of every linear layer and of the LM head (see layers/linear)."""
+        prepack_linears(self.layers)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = pack_weight(weight)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

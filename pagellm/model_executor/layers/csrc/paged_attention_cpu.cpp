@@ -1,81 +1,35 @@
-// Paged decode attention for CPU: one query token per request, K/V read in place from the block pool.
+// Paged attention for CPU: the KV-cache layout, the cache writer and the decode kernel.
 //
-// q            [R, H, D]            (any float dtype; rows may be strided)
-// k/v cache    [NB, B, Hkv, D]      (same dtype as q)
-// block_tables [R, MB] int64,  seq_lens [R] int64  (context length including the current token)
-// out          [R, H, D]
+// Cache layout of one layer, with x = 4 / sizeof(T) elements per 32-bit word (2 for bf16/fp16, 1 for fp32):
+//   k_cache [NB, Hkv, D/x, B, x]  one word row per pair of dims: dims (2j, 2j+1) of the block's B tokens
+//   v_cache [NB, Hkv, B/x, D, x]  one word row per pair of tokens: tokens (2i, 2i+1) for all D dims
+// With K "pair-major", q.k for 16 tokens is a chain of FMAs into one 16-lane accumulator (token i in lane i),
+// so no per-token horizontal sum is needed; splitting a word into its two bf16 halves is a shift and a mask.
+// With V "token-pair-major", one load feeds two tokens' weights into 16 output dims. Every (block, kv head)
+// is one contiguous run of B*D elements for K and for V, which the hardware prefetcher streams well.
 //
-// Work is split over (request, kv head) pairs; each pair reads its keys/values exactly once and serves the G
-// query heads that share that kv head (GQA). Two passes over the context: scores (q.k, fp32), softmax, then
-// the weighted sum of values. No gathered copy of the cache is ever made.
+// decode: q [R, H, D] (one query per request, rows may be strided), block_tables [R, MB], seq_lens [R]
+// (context length including the current token) -> out [R, H, D]. Work is split over (request, kv head);
+// each task reads its keys and values once and serves the G = H / Hkv query heads sharing them (GQA).
+// Scores and softmax are fp32; the weighted sum of V accumulates in fp32.
 #include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(double x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using namespace pagellm;
 
 template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
+constexpr int pack_x() { return sizeof(T) == 4 ? 1 : 2; }
 
-#if defined(__AVX512F__)
-// 16 lanes of fp32 from any supported storage type.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const double* p) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(_mm512_loadu_pd(p))),
-                            _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8)), 1);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): range reduction to 2^n * exp(r), |r| <= ln2/2,
-// degree-6 polynomial; relative error ~1e-7, like the vectorised exp of other CPU attention kernels.
-inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
-// scores[i] = q . k_i for the n tokens of one kv head, then softmax in place; returns 1 / sum.
+// Softmax of s[0..n) in place (unnormalised exp); returns 1 / sum.
 inline float softmax_inplace(float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
@@ -97,192 +51,281 @@ inline float softmax_inplace(float* s, int64_t n) {
   return 1.f / sum;
 }
 
+// Scalar element access in the layout above (portable path and odd shapes).
+template <typename T>
+inline float k_at(const T* kb, int64_t B, int64_t t, int64_t d) {
+  constexpr int x = pack_x<T>();
+  return to_float(kb[(d / x) * B * x + t * x + d % x]);
+}
+template <typename T>
+inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
+  constexpr int x = pack_x<T>();
+  return to_float(vb[(t / x) * D * x + d * x + t % x]);
+}
+
 #if defined(__AVX512F__)
-// C = head_dim / 16 is a compile-time constant so the accumulators stay in registers.
-// Pass 1 for one query head: s[i] = q . k_i over the tokens given by ptr(i).
-template <int C, typename T, typename Ptr>
-inline void scores_avx512(const float* qg, Ptr ptr, int64_t n, float* s) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* kr = ptr(i);
-    __m512 a = _mm512_mul_ps(qv[0], load16(kr));
-    for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(kr + 16 * c), a);
-    s[i] = _mm512_reduce_add_ps(a);
+// The two elements of each 32-bit word as fp32 (x == 2), or the word itself (x == 1).
+inline void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
+  lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+  hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+}
+
+// Scores of up to 16 tokens (lanes in mask m, starting at token t0 of the block) for G query heads. Four
+// independent accumulators per head (two dims x two word rows) hide the FMA latency.
+template <int G, typename T>
+inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
+                       int64_t ns) {
+  constexpr int x = pack_x<T>();
+  const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
+  __m512 acc[4][G];
+  for (int a = 0; a < 4; ++a)
+    for (int g = 0; g < G; ++g) acc[a][g] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D / x; j += 2) {  // D / x is even for every supported head_dim
+    for (int u = 0; u < 2; ++u) {
+      __m512i word = _mm512_maskz_loadu_epi32(m, w + (j + u) * B);
+      if constexpr (x == 2) {
+        __m512 lo, hi;
+        split(word, lo, hi, kb);
+        for (int g = 0; g < G; ++g) {
+          acc[2 * u][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * (j + u)]), lo, acc[2 * u][g]);
+          acc[2 * u + 1][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * (j + u) + 1]), hi, acc[2 * u + 1][g]);
+        }
+      } else {
+        const __m512 kv = _mm512_castsi512_ps(word);
+        for (int g = 0; g < G; ++g) acc[2 * u][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + j + u]), kv, acc[2 * u][g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 r = _mm512_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_add_ps(acc[2][g], acc[3][g]));
+    _mm512_mask_storeu_ps(s + g * ns + t0, m, r);
   }
 }
 
-// Pass 2 for one query head: acc = sum_i p[i] v_i.
-template <int C, typename T, typename Ptr>
-inline void weighted_sum_avx512(const float* p, Ptr ptr, int64_t n, float* acc) {
-  __m512 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* vr = ptr(i);
-    const __m512 w = _mm512_set1_ps(p[i]);
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w, load16(vr + 16 * c), a[c]);
+// acc[g] += p[g][t] * v_t for one token pair (x == 2; which of the two tokens count is given) or token (x == 1).
+template <int G, int C, typename T>
+inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
+                    __m512 (&acc)[G][C]) {
+  for (int c = 0; c < C; ++c) {
+    __m512 a, b;
+    split(_mm512_loadu_si512(row + 16 * c), a, b, static_cast<const T*>(nullptr));
+    for (int g = 0; g < G; ++g) {
+      if (first) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns]), a, acc[g][c]);
+      if (second) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns + 1]), b, acc[g][c]);
+    }
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
-template <typename T, typename Ptr>
-inline bool head_avx512(int64_t D, const float* qg, const float* p, Ptr ptr, int64_t n, float* s, float* acc,
-                        bool pass1) {
-  switch (D) {
-#define PAGELLM_CASE(CC)                                                  \
-    case 16 * CC:                                                         \
-      if (pass1) scores_avx512<CC, T>(qg, ptr, n, s);                     \
-      else weighted_sum_avx512<CC, T>(p, ptr, n, acc);                    \
-      return true;
-    PAGELLM_CASE(1) PAGELLM_CASE(2) PAGELLM_CASE(4) PAGELLM_CASE(8) PAGELLM_CASE(16)
-#undef PAGELLM_CASE
-    default:
-      return false;
+// acc[g] += sum over tokens lo..hi-1 of the block of p[g][t] * v_t (C = D / 16 vectors per head).
+template <int G, int C, typename T>
+inline void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi, __m512 (&acc)[G][C]) {
+  constexpr int x = pack_x<T>();
+  constexpr int64_t D = 16 * C;
+  const int32_t* w = reinterpret_cast<const int32_t*>(vb);
+  if constexpr (x == 2) {
+    // Tokens outside [lo, hi) are skipped, never multiplied by 0 (a stale NaN must not leak in).
+    int64_t i = lo / 2;
+    if (lo % 2) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
+    for (; 2 * i + 1 < hi; ++i) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
+    if (2 * i < hi) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
+  } else {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int c = 0; c < C; ++c) {
+        const __m512 v = _mm512_castsi512_ps(_mm512_loadu_si512(w + t * D + 16 * c));
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns + t]), v, acc[g][c]);
+      }
   }
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 #endif
 
+struct Task {
+  const int64_t* blocks;  // this request's block table row
+  int64_t start, L, B;    // attend to tokens [start, L); block size
+  int64_t k_sb, k_sh, v_sb, v_sh;  // cache strides (block, head) in elements
+  int64_t h;              // kv head
+};
+
+// Portable path (any head_dim, no AVX-512): one (request, kv head) for G query heads. qf [G][D] fp32
+// pre-scaled; s is scratch of G * ns floats indexed by absolute token position; out [G][D] fp32.
+template <typename T>
+void attend_generic(int64_t G, int64_t D, const Task& tk, const float* qf, const T* kc, const T* vc, float* s,
+                    int64_t ns, float* outf) {
+  const int64_t B = tk.B;
+  for (int64_t t = tk.start; t < tk.L; ++t) {
+    const T* kb = kc + tk.blocks[t / B] * tk.k_sb + tk.h * tk.k_sh;
+    for (int64_t g = 0; g < G; ++g) {
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += qf[g * D + d] * k_at(kb, B, t % B, d);
+      s[g * ns + t] = a;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = softmax_inplace(s + g * ns + tk.start, tk.L - tk.start);
+    float* o = outf + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t t = tk.start; t < tk.L; ++t) {
+      const T* vb = vc + tk.blocks[t / B] * tk.v_sb + tk.h * tk.v_sh;
+      const float p = s[g * ns + t];
+      for (int64_t d = 0; d < D; ++d) o[d] += p * v_at(vb, D, t % B, d);
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
 #if defined(__AVX512F__)
-// All G query heads of one kv head at once (GQA): each K/V row is loaded and converted once and serves the G
-// heads, with G*C accumulators held in registers. G and C are compile-time so nothing spills.
-template <int C, int G, typename T>
-inline void group_avx512(const float* qf, const int64_t* offs, const T* kp, const T* vp, int64_t n, float* scores,
-                         float* acc, float* inv_sum) {
-  __m512 q[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qf + (g * C + c) * 16);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* kr = kp + offs[i];
-    __m512 k[C];
-    for (int c = 0; c < C; ++c) k[c] = load16(kr + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(q[g][0], k[0]);
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(q[g][c], k[c], a);
-      scores[g * n + i] = _mm512_reduce_add_ps(a);
+// The vectorised path for head_dim = 16 * C and a subgroup of G query heads (same arguments as above).
+template <int G, int C, typename T>
+void attend(const Task& tk, const float* qf, const T* kc, const T* vc, float* s, int64_t ns, float* outf) {
+  constexpr int64_t D = 16 * C;
+  const int64_t B = tk.B, b0 = tk.start / B, b1 = (tk.L - 1) / B;
+  for (int64_t b = b0; b <= b1; ++b) {
+    const T* kb = kc + tk.blocks[b] * tk.k_sb + tk.h * tk.k_sh;
+    // Pull the next block's keys and this block's values towards the core while the FMAs run: the values are
+    // then in cache for the second pass (a task's values are a few dozen KiB).
+    if (b + 1 <= b1) prefetch(kc + tk.blocks[b + 1] * tk.k_sb + tk.h * tk.k_sh, B * D * sizeof(T));
+    prefetch(vc + tk.blocks[b] * tk.v_sb + tk.h * tk.v_sh, B * D * sizeof(T));
+    for (int64_t t0 = 0; t0 < B; t0 += 16) {
+      const int64_t w = std::min<int64_t>(16, B - t0);
+      score_tile<G, T>(qf, D, kb, B, t0, static_cast<__mmask16>((1u << w) - 1), s + b * B, ns);
     }
   }
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * n, n);
-  __m512 a[G][C];
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * ns + tk.start, tk.L - tk.start);
+  __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* vr = vp + offs[i];
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(vr + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * n + i]);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
-    }
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t b = b0; b <= b1; ++b) {
+    const T* vb = vc + tk.blocks[b] * tk.v_sb + tk.h * tk.v_sh;
+    const int64_t lo = std::max<int64_t>(0, tk.start - b * B), hi = std::min<int64_t>(B, tk.L - b * B);
+    pv_block<G, C, T>(s + b * B, ns, vb, lo, hi, acc);
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(outf + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
 }
 
 template <int C, typename T>
-inline bool group_dispatch_g(int64_t G, const float* qf, const int64_t* offs, const T* kp, const T* vp, int64_t n,
-                             float* scores, float* acc, float* inv_sum) {
+void attend_g(int G, const Task& tk, const float* qf, const T* kc, const T* vc, float* s, int64_t ns, float* o) {
   switch (G) {
-#define PAGELLM_G(GG) \
-    case GG: group_avx512<C, GG, T>(qf, offs, kp, vp, n, scores, acc, inv_sum); return true;
+#define PAGELLM_G(GG) case GG: return attend<GG, C, T>(tk, qf, kc, vc, s, ns, o);
     PAGELLM_G(1) PAGELLM_G(2) PAGELLM_G(3) PAGELLM_G(4) PAGELLM_G(5) PAGELLM_G(6) PAGELLM_G(7) PAGELLM_G(8)
 #undef PAGELLM_G
-    default: return false;
-  }
-}
-
-// Returns false when (head_dim, group size) has no specialisation; the caller then goes head by head.
-template <typename T>
-inline bool group_dispatch(int64_t D, int64_t G, const float* qf, const int64_t* offs, const T* kp, const T* vp,
-                           int64_t n, float* scores, float* acc, float* inv_sum) {
-  switch (D) {
-    case 32: return group_dispatch_g<2, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
-    case 64: return group_dispatch_g<4, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
-    case 128: return group_dispatch_g<8, T>(G, qf, offs, kp, vp, n, scores, acc, inv_sum);
-    default: return false;
+    default: TORCH_CHECK(false, "unsupported head group ", G);
   }
 }
 #endif
+
+// true when the vectorised kernel covers this head_dim (else the portable path runs)
+inline bool vectorised(int64_t D) {
+#if defined(__AVX512F__)
+  return D == 32 || D == 64 || D == 96 || D == 128 || D == 256;
+#else
+  return false;
+#endif
+}
 
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
             int64_t window) {
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t B = k_cache.size(1), Hkv = k_cache.size(2), MB = block_tables.size(1);
-  const int64_t G = H / Hkv;
+  const int64_t Hkv = k_cache.size(1), B = v_cache.size(2) * v_cache.size(4), MB = block_tables.size(1);
+  const int64_t G = H / Hkv, C = D / 16;
+  const bool vec = vectorised(D);
+  // Query heads per pass: the accumulators of a subgroup (sub * C vectors) must stay in registers.
+  const int64_t sub = vec ? std::min<int64_t>({G, 8, std::max<int64_t>(1, 24 / C)}) : G;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t q_sr = q.stride(0), q_sh = q.stride(1);
-  const int64_t o_sr = out.stride(0), o_sh = out.stride(1);
-  const int64_t c_sb = k_cache.stride(0), c_st = k_cache.stride(1), c_sh = k_cache.stride(2);
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
-    std::vector<float> inv_sum(G);
-    std::vector<int64_t> offs;
+    std::vector<float> qf(sub * D), of(sub * D), s;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, h = task % Hkv;
-      const int64_t L = sl[r];
+      const int64_t r = task / Hkv, h = task % Hkv, L = sl[r];
+      if (L <= 0) continue;
       const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const int64_t n = L - start;
-      scores.resize(G * n);
-      for (int64_t g = 0; g < G; ++g) {
-        row_to_float(qp + r * q_sr + (h * G + g) * q_sh, qf.data() + g * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= fscale;
-      }
-      // Offsets of this kv head's rows for every context token, walked block by block (no division per token).
-      offs.resize(n);
-      for (int64_t i = 0, pos = start; i < n;) {
-        const int64_t base = bt[r * MB + pos / B] * c_sb + h * c_sh;
-        for (int64_t t = pos % B; t < B && i < n; ++t, ++i, ++pos) offs[i] = base + t * c_st;
-      }
-      auto k_at = [&](int64_t i) { return kp + offs[i]; };
-      auto v_at = [&](int64_t i) { return vp + offs[i]; };
-      bool grouped = false;
-#if defined(__AVX512F__)
-      grouped = group_dispatch<T>(D, G, qf.data(), offs.data(), kp, vp, n, scores.data(), acc.data(),
-                                  inv_sum.data());
-#endif
-      for (int64_t g = 0; g < G && !grouped; ++g) {
-        const float* qg = qf.data() + g * D;
-        float* sg = scores.data() + g * n;
-        bool done = false;
-#if defined(__AVX512F__)
-        done = head_avx512<T>(D, qg, nullptr, k_at, n, sg, nullptr, true);
-#endif
-        if (!done) {  // Pass 1 (portable): scores = q_g . k_i
-          for (int64_t i = 0; i < n; ++i) {
-            row_to_float(k_at(i), row.data(), D);
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-            sg[i] = s;
-          }
+      const Task tk{bt + r * MB, start, L, B, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+                    v_cache.stride(1), h};
+      const int64_t ns = ((L - 1) / B + 1) * B;
+      s.resize(sub * ns);
+      for (int64_t g0 = 0; g0 < G; g0 += sub) {
+        const int64_t gs = std::min(sub, G - g0);
+        for (int64_t g = 0; g < gs; ++g) {
+          const T* qr = qp + r * q.stride(0) + (h * G + g0 + g) * q.stride(1);
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qr[d]) * fscale;
         }
-        inv_sum[g] = softmax_inplace(sg, n);
-        float* ag = acc.data() + g * D;
-        done = false;
 #if defined(__AVX512F__)
-        done = head_avx512<T>(D, nullptr, sg, v_at, n, nullptr, ag, false);
-#endif
-        if (!done) {  // Pass 2 (portable): acc_g = sum_i p_gi v_i
-          std::fill(ag, ag + D, 0.f);
-          for (int64_t i = 0; i < n; ++i) {
-            row_to_float(v_at(i), row.data(), D);
-            for (int64_t d = 0; d < D; ++d) ag[d] += sg[i] * row[d];
-          }
+        switch (vec ? C : 0) {
+          case 2: attend_g<2, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
+          case 4: attend_g<4, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
+          case 6: attend_g<6, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
+          case 8: attend_g<8, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
+          case 16: attend_g<16, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
+          default: attend_generic<T>(gs, D, tk, qf.data(), kc, vc, s.data(), ns, of.data());
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        T* o = op + r * o_sr + (h * G + g) * o_sh;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+#else
+        attend_generic<T>(gs, D, tk, qf.data(), kc, vc, s.data(), ns, of.data());
+#endif
+        for (int64_t g = 0; g < gs; ++g) {
+          T* o = op + r * out.stride(0) + (h * G + g0 + g) * out.stride(1);
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[g * D + d]);
+        }
       }
     }
   });
+}
+
+// Scatter this step's K/V rows into their slots (slot = block * B + offset; negative slots are skipped).
+template <typename T>
+void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const at::Tensor& slots) {
+  constexpr int x = pack_x<T>();
+  const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2), B = v_cache.size(2) * x;
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / B, off = slot % B;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const T* ks = kp + t * k.stride(0) + h * k.stride(1);
+        const T* vs = vp + t * v.stride(0) + h * v.stride(1);
+        T* kd = kc + blk * k_cache.stride(0) + h * k_cache.stride(1) + off * x;
+        T* vd = vc + blk * v_cache.stride(0) + h * v_cache.stride(1) + (off / x) * D * x + off % x;
+        for (int64_t j = 0; j < D / x; ++j)
+          for (int e = 0; e < x; ++e) kd[j * B * x + e] = ks[j * x + e];
+        for (int64_t d = 0; d < D; ++d) vd[d * x] = vs[d];
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5, "caches must be 5-d [NB, Hkv, ., ., x]");
+  const int64_t x = k_cache.size(4), B = v_cache.size(2) * x;
+  TORCH_CHECK(x * k_cache.element_size() == 4 && v_cache.size(4) == x, "x must pack 4 bytes");
+  TORCH_CHECK(k_cache.size(2) * x == D && k_cache.size(3) == B && v_cache.size(3) == D, "cache / head_dim mismatch");
+  TORCH_CHECK(k_cache.stride(4) == 1 && k_cache.stride(3) == x && k_cache.stride(2) == B * x &&
+              v_cache.stride(4) == 1 && v_cache.stride(3) == x && v_cache.stride(2) == D * x,
+              "each (block, head) of the cache must be contiguous");
+  TORCH_CHECK(B % 2 == 0 && B <= 16 * 1024, "block size must be even");
 }
 
 }  // namespace
@@ -290,20 +333,34 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor out,
                             double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1, "last dim must be contiguous");
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k and v caches must share strides");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [R, H, D], last dim contiguous");
+  check_cache(k_cache, v_cache, q.size(2));
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous indices");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  pagellm::dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    decode<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
   });
 }
 
-// Registered as torch.ops.pagellm.paged_decode_attention (no pybind11: the build stays small and fast).
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [N, Hkv, D]");
+  check_cache(k_cache, v_cache, k.size(2));
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "slot_mapping: int64 [N]");
+  pagellm::dispatch_float(k.scalar_type(), "write_kv_cache", [&](auto tag) {
+    write_cache<decltype(tag)>(k, v, k_cache, v_cache, slot_mapping);
+  });
+}
+
+// Registered as torch.ops.pagellm.* (no pybind11: the build stays small and fast).
 TORCH_LIBRARY(pagellm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor(a!) out, float scale, int window) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
 }

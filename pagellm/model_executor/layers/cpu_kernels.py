@@ -1,0 +1,47 @@
+"""The C++ CPU kernels (``csrc/``): paged attention, the KV-cache writer and the fused element-wise ops.
+
+They are compiled once with ``torch.utils.cpp_extension`` into the pagellm cache dir, keyed by a hash of the
+sources and the torch version (``make model`` or ``python -m pagellm.model_executor.layers.cpu_kernels`` does
+it ahead of time; otherwise the first engine start does, ~40 s). The ops register as ``torch.ops.pagellm.*``.
+If no compiler is available the engine falls back to the torch reference path and says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+from functools import lru_cache
+
+import torch
+
+logger = logging.getLogger("pagellm")
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp")
+
+
+@lru_cache(maxsize=1)
+def load_extension():
+    """Build (first time) and load the kernels; returns the ``torch.ops.pagellm`` namespace."""
+    from torch.utils import cpp_extension
+
+    from pagellm.model_executor.default_model import cache_dir
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for f in sorted(_CSRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    name = f"pagellm_cpu_kernels_{h.hexdigest()[:12]}"
+    build_dir = cache_dir() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.info("compiling the CPU kernels into %s (once)", build_dir)
+    # -ffp-contract=off: a*b + c stays two rounded ops where the kernels mirror torch's rounding.
+    cpp_extension.load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(build_dir),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.pagellm
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    load_extension()
+    print("CPU kernels ready")

@@ -1,0 +1,100 @@
+// Small AVX-512 helpers shared by the CPU kernels: 16-lane fp32 loads/stores from any storage dtype with
+// torch's rounding (bf16: round-to-nearest-even, as c10::BFloat16), and a vectorised exp.
+// Everything else is plain C++ so the kernels still build (slower) on machines without AVX-512.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagellm {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// float -> T with the same rounding torch uses when it stores a float result into a tensor of dtype T.
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Round-to-nearest-even to bf16, NaN kept quiet (0x7fc0) exactly as c10::BFloat16's constructor does.
+inline __m256i cvt_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt_bf16(v));
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// Round to T's precision and back: what a float result looks like after torch stores it in a T tensor.
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt_bf16(v)), 16));
+}
+inline __m512 round_to(__m512 v, const c10::Half*) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x): range reduction to 2^n * exp(r), |r| <= ln2/2, degree-6 polynomial; relative error ~1e-7.
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // above ~88.7 scalef overflows to +inf, as expf
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Calls f(T{}) for the storage dtypes the kernels support (float32, bfloat16, float16).
+template <typename F>
+inline void dispatch_float(c10::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case c10::ScalarType::Float: return f(float{});
+    case c10::ScalarType::BFloat16: return f(c10::BFloat16{});
+    case c10::ScalarType::Half: return f(c10::Half{});
+    default: TORCH_CHECK(false, name, ": dtype ", t, " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace pagellm

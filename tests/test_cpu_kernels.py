@@ -1,0 +1,93 @@
+"""The fused CPU element-wise kernels against the torch ops they replace (the model's reference path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.model_executor.layers.cpu_kernels import load_extension
+from pagellm.model_executor.layers.rotary import apply_rotary
+from pagellm.model_executor.models.llama import RMSNorm
+
+ops = load_extension()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _norm(dim, dtype, with_ops):
+    n = RMSNorm(dim, 1e-5, ops if with_ops else None).to(dtype)
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(dim) * 0.5 + 1)
+    return n
+
+
+def assert_close(got, want, dtype):
+    if dtype == torch.float32:  # the only freedom is the order of the fp32 sum of squares
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the same roundings as torch: equal, bar rare one-ulp ties from the fp32 statistics
+        mismatch = (got != want).float().mean().item()
+        assert mismatch < 1e-3, mismatch
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (37, 64), (300, 200)])  # 200: a tail after 16-lane chunks
+def test_rms_norm_matches_torch(dtype, rows, dim):
+    torch.manual_seed(0)
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    fused, ref = _norm(dim, dtype, True), _norm(dim, dtype, False)
+    ref.weight.data.copy_(fused.weight.data)
+    assert_close(fused(x), ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch_and_updates_residual(dtype):
+    torch.manual_seed(1)
+    x, res = torch.randn(50, 96).to(dtype), torch.randn(50, 96).to(dtype)
+    fused, ref = _norm(96, dtype, True), _norm(96, dtype, False)
+    ref.weight.data.copy_(fused.weight.data)
+    want_out, want_res = ref(x.clone(), res.clone())
+    got_out, got_res = fused(x.clone(), res.clone())
+    assert torch.equal(got_res, want_res)  # one rounded add, exactly as torch's
+    assert_close(got_out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_silu_and_mul_matches_torch(dtype, inter):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(33, 2 * inter) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp over- and underflow
+    out = torch.empty(33, inter, dtype=dtype)
+    ops.silu_and_mul(gate_up, out)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)
+    else:
+        assert (out != want).float().mean().item() < 1e-3
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 24])  # 24: half not a multiple of 16, the scalar path
+def test_rotary_matches_hf_formula_in_place(dtype, dim):
+    torch.manual_seed(3)
+    T, H, Hkv = 21, 6, 2
+    qkv = torch.randn(T, (H + 2 * Hkv) * dim).to(dtype)
+    q = qkv[:, :H * dim].view(T, H, dim)  # strided views of one projection, as in the model
+    k = qkv[:, H * dim:(H + Hkv) * dim].view(T, Hkv, dim)
+    ang = torch.randn(T, dim // 2) * 10
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    want_q, want_k = apply_rotary(q.clone(), k.clone(), cos, sin)
+    v_before = qkv[:, (H + Hkv) * dim:].clone()
+    ops.rotary_embedding(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (H + Hkv) * dim:], v_before)  # v untouched
+
+
+def test_bad_shapes_are_refused_clearly():
+    with pytest.raises(RuntimeError, match="out: \\[N, gate_up.size\\(1\\) / 2\\]"):
+        ops.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 3))
+    with pytest.raises(RuntimeError, match="dtype Double is not supported"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64),
+                     torch.zeros(2, 8, dtype=torch.float64), 1e-5)

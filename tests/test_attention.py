@@ -126,3 +126,19 @@ def test_write_then_gather_round_trips(backend_cls, dtype):
     assert cache[:, [0, 2, 3]].abs().sum() == 0
     gk, _ = backend.gather(cache, blocks, 11)
     assert torch.equal(gk, k[:11].transpose(0, 1))
+
+@pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 2, 48)], ids=["d64", "d128", "d48"])
+def test_long_prefill_chunks_match_dense(backend_cls, dtype, window, heads, kv_heads, dim):
+    # chunks spanning several 16-row tiles: a whole prompt, a late chunk after a cached prefix, a chunk whose
+    # length is not a multiple of the tile, next to decode rows
+    q_lens = [70, 1, 33, 1, 17]
+    ctx_lens = [70, 90, 160, 5, 50]
+    backend = backend_cls(kv_heads, dim, 16)
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, 16, dtype, heads, kv_heads, dim, seed=3)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()

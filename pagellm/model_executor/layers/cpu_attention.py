@@ -2,16 +2,21 @@
 
 The cache uses the kernel's own layout (x = 4 bytes / element size, so 2 for bf16 and 1 for fp32):
 K [num_blocks, kv_heads, head_dim/x, block_size, x], V [num_blocks, kv_heads, block_size/x, head_dim, x].
-Decode rows read K/V in place from the blocks; prefill chunks gather their context once per layer and use
-SDPA's flash kernel, which is already efficient for many query rows. The backend also carries the fused
-element-wise ops (``ops``) the model uses on CPU.
+One kernel call per layer serves every decode row and short chunk of the step (as speculative decoding will
+produce), reading K/V in place from the blocks. Long prefill chunks go to SDPA's flash kernel on their own or
+gathered context, which is faster there. The backend also carries the fused element-wise ops (``ops``) the
+model uses on CPU.
 """
 from __future__ import annotations
 
 import torch
 
-from pagellm.model_executor.layers.attention import AttentionMetadata, TorchPagedAttention
+from pagellm.model_executor.layers.attention import TorchPagedAttention
 from pagellm.model_executor.layers.cpu_kernels import load_extension
+
+
+# Requests with at most this many query rows go through the C++ kernel (one tile of its work).
+KERNEL_MAX_QUERY = 16
 
 
 class CPUPagedAttention(TorchPagedAttention):
@@ -20,11 +25,15 @@ class CPUPagedAttention(TorchPagedAttention):
         if block_size % 2:
             raise ValueError(f"block_size must be even for the CPU kernels, got {block_size}")
         self.ops = load_extension()
+        self._views: dict = {}
 
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb, x = kv_cache.shape[1], 4 // kv_cache.element_size()
-        h, d, b = self.num_kv_heads, self.head_dim, self.block_size
-        return kv_cache[0].view(nb, h, d // x, b, x), kv_cache[1].view(nb, h, b // x, d, x)
+        key = (kv_cache.data_ptr(), kv_cache.shape)
+        if key not in self._views:  # built once per layer: two view ops cost more than the dict lookup
+            nb, x = kv_cache.shape[1], 4 // kv_cache.element_size()
+            h, d, b = self.num_kv_heads, self.head_dim, self.block_size
+            self._views[key] = (kv_cache[0].view(nb, h, d // x, b, x), kv_cache[1].view(nb, h, b // x, d, x))
+        return self._views[key]
 
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         kc, vc = self.views(kv_cache)
@@ -32,16 +41,23 @@ class CPUPagedAttention(TorchPagedAttention):
 
     def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.views(kv_cache)
-        blocks = blocks[:-(-ctx // self.block_size)]
-        h, d = self.num_kv_heads, self.head_dim
-        k = kc[blocks].permute(1, 0, 3, 2, 4).reshape(h, -1, d)[:, :ctx]
-        v = vc[blocks].permute(1, 0, 2, 4, 3).reshape(h, -1, d)[:, :ctx]
+        shape = (self.num_kv_heads, ctx, self.head_dim)
+        k = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        v = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        self.ops.gather_kv_cache(kc, vc, blocks[:-(-ctx // self.block_size)].contiguous(), k, v)
         return k, v
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+        """Decode rows and short chunks (up to KERNEL_MAX_QUERY rows) in one kernel call, K/V read in place; long
+        prefill chunks through SDPA's flash kernel (AMX matmuls), one call each."""
         kc, vc = self.views(kv_cache)
+        self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ops.paged_decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, out, scale,
-                                        sliding_window or 0)
+        self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
+                                 sliding_window or 0, KERNEL_MAX_QUERY)
+        for r in meta.prefill_rows:
+            q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
+            if qlen > KERNEL_MAX_QUERY:
+                rows = slice(q0, q0 + qlen)
+                out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window)
         return out

@@ -1,4 +1,5 @@
-// Paged attention for CPU: the KV-cache layout, the cache writer and the decode kernel.
+// Paged attention for CPU: the KV-cache layout, the cache writer and one attention kernel for a whole step
+// (prefill chunks and decode rows mixed), reading K/V in place from the blocks.
 //
 // Cache layout of one layer, with x = 4 / sizeof(T) elements per 32-bit word (2 for bf16/fp16, 1 for fp32):
 //   k_cache [NB, Hkv, D/x, B, x]  one word row per pair of dims: dims (2j, 2j+1) of the block's B tokens
@@ -8,283 +9,246 @@
 // With V "token-pair-major", one load feeds two tokens' weights into 16 output dims. Every (block, kv head)
 // is one contiguous run of B*D elements for K and for V, which the hardware prefetcher streams well.
 //
-// decode: q [R, H, D] (one query per request, rows may be strided), block_tables [R, MB], seq_lens [R]
-// (context length including the current token) -> out [R, H, D]. Work is split over (request, kv head);
-// each task reads its keys and values once and serves the G = H / Hkv query heads sharing them (GQA).
-// Scores and softmax are fp32; the weighted sum of V accumulates in fp32.
+// paged_attention: q [T, H, D] (rows may be strided); request r owns rows query_start[r] .. query_start[r+1]-1,
+// the last positions of its context of seq_lens[r] tokens held in block_tables[r]. A task is (request, kv
+// head, up to 16 consecutive query rows): it reads the keys and values once for all its rows and the G = H/Hkv
+// query heads sharing the kv head (GQA), computes every score (fp32), a causal (and sliding-window) softmax
+// per row, then the weighted sum of values (fp32). A decode row is simply a task of one row. Threads take
+// tasks, largest first, from a shared counter. Requests with more than max_query_len rows are skipped: for long
+// prefill chunks the caller's AMX-backed flash attention is faster than these FMA loops (measured crossover
+// ~32 rows per request on this machine), so they are left to it.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
+#include <atomic>
+#include <numeric>
 #include <vector>
 
-#include "vec.h"
+#include "attention_common.h"
 
 namespace {
 using namespace pagellm;
 
-template <typename T>
-constexpr int pack_x() { return sizeof(T) == 4 ? 1 : 2; }
+constexpr int64_t kTileRows = 16;
 
-// Softmax of s[0..n) in place (unnormalised exp); returns 1 / sum.
-inline float softmax_inplace(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-  float sum = 0.f;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - m);
-    sum += s[i];
-  }
-  return 1.f / sum;
-}
-
-// Scalar element access in the layout above (portable path and odd shapes).
-template <typename T>
-inline float k_at(const T* kb, int64_t B, int64_t t, int64_t d) {
-  constexpr int x = pack_x<T>();
-  return to_float(kb[(d / x) * B * x + t * x + d % x]);
-}
-template <typename T>
-inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
-  constexpr int x = pack_x<T>();
-  return to_float(vb[(t / x) * D * x + d * x + t % x]);
-}
-
-#if defined(__AVX512F__)
-// The two elements of each 32-bit word as fp32 (x == 2), or the word itself (x == 1).
-inline void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
-  lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
-  lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
-  hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
-}
-
-// Scores of up to 16 tokens (lanes in mask m, starting at token t0 of the block) for G query heads. Four
-// independent accumulators per head (two dims x two word rows) hide the FMA latency.
-template <int G, typename T>
-inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
-                       int64_t ns) {
-  constexpr int x = pack_x<T>();
-  const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
-  __m512 acc[4][G];
-  for (int a = 0; a < 4; ++a)
-    for (int g = 0; g < G; ++g) acc[a][g] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < D / x; j += 2) {  // D / x is even for every supported head_dim
-    for (int u = 0; u < 2; ++u) {
-      __m512i word = _mm512_maskz_loadu_epi32(m, w + (j + u) * B);
-      if constexpr (x == 2) {
-        __m512 lo, hi;
-        split(word, lo, hi, kb);
-        for (int g = 0; g < G; ++g) {
-          acc[2 * u][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * (j + u)]), lo, acc[2 * u][g]);
-          acc[2 * u + 1][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + 2 * (j + u) + 1]), hi, acc[2 * u + 1][g]);
-        }
-      } else {
-        const __m512 kv = _mm512_castsi512_ps(word);
-        for (int g = 0; g < G; ++g) acc[2 * u][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * D + j + u]), kv, acc[2 * u][g]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 r = _mm512_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_add_ps(acc[2][g], acc[3][g]));
-    _mm512_mask_storeu_ps(s + g * ns + t0, m, r);
-  }
-}
-
-// acc[g] += p[g][t] * v_t for one token pair (x == 2; which of the two tokens count is given) or token (x == 1).
-template <int G, int C, typename T>
-inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
-                    __m512 (&acc)[G][C]) {
-  for (int c = 0; c < C; ++c) {
-    __m512 a, b;
-    split(_mm512_loadu_si512(row + 16 * c), a, b, static_cast<const T*>(nullptr));
-    for (int g = 0; g < G; ++g) {
-      if (first) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns]), a, acc[g][c]);
-      if (second) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns + 1]), b, acc[g][c]);
-    }
-  }
-}
-
-// acc[g] += sum over tokens lo..hi-1 of the block of p[g][t] * v_t (C = D / 16 vectors per head).
-template <int G, int C, typename T>
-inline void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi, __m512 (&acc)[G][C]) {
-  constexpr int x = pack_x<T>();
-  constexpr int64_t D = 16 * C;
-  const int32_t* w = reinterpret_cast<const int32_t*>(vb);
-  if constexpr (x == 2) {
-    // Tokens outside [lo, hi) are skipped, never multiplied by 0 (a stale NaN must not leak in).
-    int64_t i = lo / 2;
-    if (lo % 2) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
-    for (; 2 * i + 1 < hi; ++i) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
-    if (2 * i < hi) pv_pair<G, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
-  } else {
-    for (int64_t t = lo; t < hi; ++t)
-      for (int c = 0; c < C; ++c) {
-        const __m512 v = _mm512_castsi512_ps(_mm512_loadu_si512(w + t * D + 16 * c));
-        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ns + t]), v, acc[g][c]);
-      }
-  }
-}
-
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
-#endif
-
-struct Task {
-  const int64_t* blocks;  // this request's block table row
-  int64_t start, L, B;    // attend to tokens [start, L); block size
-  int64_t k_sb, k_sh, v_sb, v_sh;  // cache strides (block, head) in elements
-  int64_t h;              // kv head
+struct Args {
+  int64_t H, Hkv, G, D, B, MB;
+  int64_t q_s0, q_s1, o_s0, o_s1, k_sb, k_sh, v_sb, v_sh;  // strides in elements
+  const int64_t *bt, *seq, *qs;
+  float scale;
+  int64_t window;
 };
 
-// Portable path (any head_dim, no AVX-512): one (request, kv head) for G query heads. qf [G][D] fp32
-// pre-scaled; s is scratch of G * ns floats indexed by absolute token position; out [G][D] fp32.
-template <typename T>
-void attend_generic(int64_t G, int64_t D, const Task& tk, const float* qf, const T* kc, const T* vc, float* s,
-                    int64_t ns, float* outf) {
-  const int64_t B = tk.B;
-  for (int64_t t = tk.start; t < tk.L; ++t) {
-    const T* kb = kc + tk.blocks[t / B] * tk.k_sb + tk.h * tk.k_sh;
-    for (int64_t g = 0; g < G; ++g) {
-      float a = 0.f;
-      for (int64_t d = 0; d < D; ++d) a += qf[g * D + d] * k_at(kb, B, t % B, d);
-      s[g * ns + t] = a;
+struct Task {
+  int64_t r, h, i0, nrows;  // request, kv head, first query row (relative to the request), rows
+  int64_t cost;
+};
+
+// Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
+// position p_i attends to [row_lo(i), p_i].
+struct Span {
+  int64_t p0, klo, khi, b0, b1, ns;
+};
+
+inline Span span_of(const Args& a, const Task& t) {
+  Span s;
+  const int64_t L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
+  s.p0 = L - qlen + t.i0;
+  s.khi = s.p0 + t.nrows;
+  s.klo = a.window > 0 ? std::max<int64_t>(0, s.p0 - a.window + 1) : 0;
+  s.b0 = s.klo / a.B;
+  s.b1 = (s.khi - 1) / a.B;
+  s.ns = (s.b1 - s.b0 + 1) * a.B;  // scores are indexed by token - b0 * B
+  return s;
+}
+
+// Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi).
+inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S) {
+  const int64_t base = s.b0 * a.B;
+  for (int64_t i = 0; i < t.nrows; ++i) {
+    const int64_t p = s.p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    for (int64_t g = 0; g < a.G; ++g) {
+      float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
+      softmax_range(row, lo, p + 1);
+      std::fill(row + s.klo, row + lo, 0.f);
+      std::fill(row + p + 1, row + s.khi, 0.f);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = softmax_inplace(s + g * ns + tk.start, tk.L - tk.start);
-    float* o = outf + g * D;
-    std::fill(o, o + D, 0.f);
-    for (int64_t t = tk.start; t < tk.L; ++t) {
-      const T* vb = vc + tk.blocks[t / B] * tk.v_sb + tk.h * tk.v_sh;
-      const float p = s[g * ns + t];
-      for (int64_t d = 0; d < D; ++d) o[d] += p * v_at(vb, D, t % B, d);
+}
+
+template <typename T>
+void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S,
+                    float* of) {
+  const Span s = span_of(a, t);
+  const int64_t nv = t.nrows * a.G, D = a.D, B = a.B, base = s.b0 * B;
+  for (int64_t tok = s.klo; tok < s.khi; ++tok) {
+    const T* kb = kc + a.bt[t.r * a.MB + tok / B] * a.k_sb + t.h * a.k_sh;
+    for (int64_t v = 0; v < nv; ++v) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += qf[v * D + d] * k_at(kb, B, tok % B, d);
+      S[v * s.ns + tok - base] = acc;
     }
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+  softmax_rows(a, t, s, S);
+  std::fill(of, of + nv * D, 0.f);
+  for (int64_t tok = s.klo; tok < s.khi; ++tok) {
+    const T* vb = vc + a.bt[t.r * a.MB + tok / B] * a.v_sb + t.h * a.v_sh;
+    for (int64_t v = 0; v < nv; ++v) {
+      const float p = S[v * s.ns + tok - base];
+      if (p == 0.f) continue;
+      for (int64_t d = 0; d < D; ++d) of[v * D + d] += p * v_at(vb, D, tok % B, d);
+    }
   }
 }
 
 #if defined(__AVX512F__)
-// The vectorised path for head_dim = 16 * C and a subgroup of G query heads (same arguments as above).
-template <int G, int C, typename T>
-void attend(const Task& tk, const float* qf, const T* kc, const T* vc, float* s, int64_t ns, float* outf) {
-  constexpr int64_t D = 16 * C;
-  const int64_t B = tk.B, b0 = tk.start / B, b1 = (tk.L - 1) / B;
-  for (int64_t b = b0; b <= b1; ++b) {
-    const T* kb = kc + tk.blocks[b] * tk.k_sb + tk.h * tk.k_sh;
-    // Pull the next block's keys and this block's values towards the core while the FMAs run: the values are
-    // then in cache for the second pass (a task's values are a few dozen KiB).
-    if (b + 1 <= b1) prefetch(kc + tk.blocks[b + 1] * tk.k_sb + tk.h * tk.k_sh, B * D * sizeof(T));
-    prefetch(vc + tk.blocks[b] * tk.v_sb + tk.h * tk.v_sh, B * D * sizeof(T));
-    for (int64_t t0 = 0; t0 < B; t0 += 16) {
-      const int64_t w = std::min<int64_t>(16, B - t0);
-      score_tile<G, T>(qf, D, kb, B, t0, static_cast<__mmask16>((1u << w) - 1), s + b * B, ns);
+template <int C, typename T, int NV = 8>
+inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, __mmask16 m, float* S, int64_t ns,
+                       int64_t nv) {
+  if constexpr (NV > 0) {
+    if (nv >= NV) {
+      for (int64_t v = 0; v + NV <= nv; v += NV) score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns);
+      if (nv % NV) scores_for<C, T, NV - 1>(a, qf + (nv - nv % NV) * 16 * C, kb, t0, m, S + (nv - nv % NV) * ns, ns, nv % NV);
+    } else {
+      scores_for<C, T, NV - 1>(a, qf, kb, t0, m, S, ns, nv);
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_inplace(s + g * ns + tk.start, tk.L - tk.start);
-  __m512 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t b = b0; b <= b1; ++b) {
-    const T* vb = vc + tk.blocks[b] * tk.v_sb + tk.h * tk.v_sh;
-    const int64_t lo = std::max<int64_t>(0, tk.start - b * B), hi = std::min<int64_t>(B, tk.L - b * B);
-    pv_block<G, C, T>(s + b * B, ns, vb, lo, hi, acc);
+}
+
+// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32).
+template <int NV, int C, typename T>
+inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
+                       float* of) {
+  __m512 acc[NV][C];
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < C; ++c) acc[v][c] = _mm512_setzero_ps();
+  for (int64_t b = s.b0; b <= s.b1; ++b) {
+    const T* vb = vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
+    const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
+    pv_block<NV, C, T>(S + v0 * s.ns + (b - s.b0) * a.B, s.ns, vb, lo, hi, acc);
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(outf + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c, acc[v][c]);
+}
+
+// The last rem (< NV) vectors in one pass.
+template <int C, typename T, int K>
+inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
+                        int64_t rem, float* of) {
+  if constexpr (K > 0) {
+    if (rem == K) values_for<K, C, T>(a, t, s, S, vc, v0, of);
+    else values_tail<C, T, K - 1>(a, t, s, S, vc, v0, rem, of);
+  }
 }
 
 template <int C, typename T>
-void attend_g(int G, const Task& tk, const float* qf, const T* kc, const T* vc, float* s, int64_t ns, float* o) {
-  switch (G) {
-#define PAGELLM_G(GG) case GG: return attend<GG, C, T>(tk, qf, kc, vc, s, ns, o);
-    PAGELLM_G(1) PAGELLM_G(2) PAGELLM_G(3) PAGELLM_G(4) PAGELLM_G(5) PAGELLM_G(6) PAGELLM_G(7) PAGELLM_G(8)
-#undef PAGELLM_G
-    default: TORCH_CHECK(false, "unsupported head group ", G);
+void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+  const Span s = span_of(a, t);
+  const int64_t nv = t.nrows * a.G, B = a.B;
+  const int64_t bytes = B * 16 * C * sizeof(T);
+  for (int64_t b = s.b0; b <= s.b1; ++b) {
+    const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + t.h * a.k_sh;
+    // Pull the next block's keys and this block's values towards the core while the FMAs run.
+    if (b < s.b1) prefetch(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + t.h * a.k_sh, bytes);
+    prefetch(vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh, bytes);
+    for (int64_t t0 = 0; t0 < B; t0 += 16) {
+      const int64_t w = std::min<int64_t>(16, B - t0);
+      scores_for<C, T>(a, qf, kb, t0, static_cast<__mmask16>((1u << w) - 1), S + (b - s.b0) * B, s.ns, nv);
+    }
   }
+  softmax_rows(a, t, s, S);
+  // Vectors per pass: their accumulators (NV * C registers) stay in registers.
+  constexpr int NV = C >= 8 ? (C >= 16 ? 1 : 2) : 4;
+  int64_t v = 0;
+  for (; v + NV <= nv; v += NV) values_for<NV, C, T>(a, t, s, S, vc, v, of);
+  if (v < nv) values_tail<C, T, NV - 1>(a, t, s, S, vc, v, nv - v, of);
 }
 #endif
 
 // true when the vectorised kernel covers this head_dim (else the portable path runs)
 inline bool vectorised(int64_t D) {
 #if defined(__AVX512F__)
-  return D == 32 || D == 64 || D == 96 || D == 128 || D == 256;
+  return D == 16 || D == 32 || D == 64 || D == 96 || D == 128 || D == 256;
 #else
   return false;
 #endif
 }
 
 template <typename T>
-void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
-            int64_t window) {
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(1), B = v_cache.size(2) * v_cache.size(4), MB = block_tables.size(1);
-  const int64_t G = H / Hkv, C = D / 16;
-  const bool vec = vectorised(D);
-  // Query heads per pass: the accumulators of a subgroup (sub * C vectors) must stay in registers.
-  const int64_t sub = vec ? std::min<int64_t>({G, 8, std::max<int64_t>(1, 24 / C)}) : G;
+void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* vc, T* op, std::vector<float>& qf,
+              std::vector<float>& S, std::vector<float>& of) {
+  const Span s = span_of(a, t);
+  const int64_t nv = t.nrows * a.G, D = a.D;
+  qf.resize(nv * D);
+  of.resize(nv * D);
+  S.resize(nv * s.ns);
+  const int64_t row0 = a.qs[t.r] + t.i0;
+  for (int64_t i = 0; i < t.nrows; ++i)
+    for (int64_t g = 0; g < a.G; ++g) {
+      const T* q = qp + (row0 + i) * a.q_s0 + (t.h * a.G + g) * a.q_s1;
+      float* f = qf.data() + (i * a.G + g) * D;
+      for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * a.scale;
+    }
+  bool done = false;
+#if defined(__AVX512F__)
+  done = true;
+  switch (vectorised(D) ? D / 16 : 0) {
+    case 1: attend<1, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    case 2: attend<2, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    case 4: attend<4, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    case 6: attend<6, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    case 8: attend<8, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    case 16: attend<16, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
+    default: done = false;
+  }
+#endif
+  if (!done) attend_generic<T>(a, t, qf.data(), kc, vc, S.data(), of.data());
+  for (int64_t i = 0; i < t.nrows; ++i)
+    for (int64_t g = 0; g < a.G; ++g) {
+      T* o = op + (row0 + i) * a.o_s0 + (t.h * a.G + g) * a.o_s1;
+      const float* f = of.data() + (i * a.G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(f[d]);
+    }
+}
+
+template <typename T>
+void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& bt,
+               const at::Tensor& seq_lens, const at::Tensor& query_start, at::Tensor& out, double scale,
+               int64_t window, int64_t max_query_len) {
+  Args a;
+  a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = q.size(2);
+  a.B = v_cache.size(2) * v_cache.size(4), a.MB = bt.size(1);
+  a.q_s0 = q.stride(0), a.q_s1 = q.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
+  a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
+  a.bt = bt.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale), a.window = window;
+  const int64_t R = seq_lens.size(0);
+
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qlen = a.qs[r + 1] - a.qs[r];
+    TORCH_CHECK(qlen >= 0 && qlen <= a.seq[r], "request ", r, ": ", qlen, " query rows for a context of ", a.seq[r]);
+    if (qlen > max_query_len) continue;  // left to the caller
+    for (int64_t i0 = 0; i0 < qlen; i0 += kTileRows)
+      for (int64_t h = 0; h < a.Hkv; ++h) {
+        Task t{r, h, i0, std::min(kTileRows, qlen - i0), 0};
+        const Span s = span_of(a, t);
+        t.cost = t.nrows * (s.khi - s.klo) + 64;
+        tasks.push_back(t);
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(sub * D), of(sub * D), s;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, h = task % Hkv, L = sl[r];
-      if (L <= 0) continue;
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const Task tk{bt + r * MB, start, L, B, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-                    v_cache.stride(1), h};
-      const int64_t ns = ((L - 1) / B + 1) * B;
-      s.resize(sub * ns);
-      for (int64_t g0 = 0; g0 < G; g0 += sub) {
-        const int64_t gs = std::min(sub, G - g0);
-        for (int64_t g = 0; g < gs; ++g) {
-          const T* qr = qp + r * q.stride(0) + (h * G + g0 + g) * q.stride(1);
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qr[d]) * fscale;
-        }
-#if defined(__AVX512F__)
-        switch (vec ? C : 0) {
-          case 2: attend_g<2, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
-          case 4: attend_g<4, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
-          case 6: attend_g<6, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
-          case 8: attend_g<8, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
-          case 16: attend_g<16, T>(gs, tk, qf.data(), kc, vc, s.data(), ns, of.data()); break;
-          default: attend_generic<T>(gs, D, tk, qf.data(), kc, vc, s.data(), ns, of.data());
-        }
-#else
-        attend_generic<T>(gs, D, tk, qf.data(), kc, vc, s.data(), ns, of.data());
-#endif
-        for (int64_t g = 0; g < gs; ++g) {
-          T* o = op + r * out.stride(0) + (h * G + g0 + g) * out.stride(1);
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[g * D + d]);
-        }
-      }
-    }
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf, S, of;
+    for (int64_t i = next++; i < n; i = next++) run_task<T>(a, tasks[i], qp, kc, vc, op, qf, S, of);
   });
 }
 
@@ -317,6 +281,34 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, 
   });
 }
 
+// Copy the first ctx tokens of a block table out of the cache: k, v [Hkv, ctx, D] contiguous.
+template <typename T>
+void gather_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& blocks, at::Tensor& k,
+                  at::Tensor& v) {
+  constexpr int x = pack_x<T>();
+  const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), B = v_cache.size(2) * x;
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t* bt = blocks.data_ptr<int64_t>();
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  at::parallel_for(0, Hkv * ((L + B - 1) / B), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t nb = (L + B - 1) / B, h = task / nb, b = task % nb, n = std::min(B, L - b * B);
+      const T* kb = kc + bt[b] * k_cache.stride(0) + h * k_cache.stride(1);
+      const T* vb = vc + bt[b] * v_cache.stride(0) + h * v_cache.stride(1);
+      T* kd = kp + (h * L + b * B) * D;
+      T* vd = vp + (h * L + b * B) * D;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t j = 0; j < D / x; ++j)
+          for (int e = 0; e < x; ++e) kd[t * D + j * x + e] = kb[j * B * x + t * x + e];
+      for (int64_t i = 0; i < (n + x - 1) / x; ++i)
+        for (int64_t d = 0; d < D; ++d)
+          for (int e = 0; e < x && i * x + e < n; ++e) vd[(i * x + e) * D + d] = vb[(i * D + d) * x + e];
+    }
+  });
+}
+
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5, "caches must be 5-d [NB, Hkv, ., ., x]");
   const int64_t x = k_cache.size(4), B = v_cache.size(2) * x;
@@ -325,22 +317,26 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D
   TORCH_CHECK(k_cache.stride(4) == 1 && k_cache.stride(3) == x && k_cache.stride(2) == B * x &&
               v_cache.stride(4) == 1 && v_cache.stride(3) == x && v_cache.stride(2) == D * x,
               "each (block, head) of the cache must be contiguous");
-  TORCH_CHECK(B % 2 == 0 && B <= 16 * 1024, "block size must be even");
+  TORCH_CHECK(B % 2 == 0, "block size must be even");
 }
 
 }  // namespace
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor out,
-                            double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [R, H, D], last dim contiguous");
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                     at::Tensor out, double scale, int64_t window, int64_t max_query_len) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
+              "q/out: [T, H, D], last dim contiguous");
   check_cache(k_cache, v_cache, q.size(2));
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous indices");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
+              query_start.numel() == seq_lens.numel() + 1, "block_tables [R, MB], seq_lens [R], query_start [R+1]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
-  pagellm::dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
-    decode<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window);
+  pagellm::dispatch_float(q.scalar_type(), "paged_attention", [&](auto tag) {
+    attention<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
+                             max_query_len);
   });
 }
 
@@ -356,11 +352,26 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   });
 }
 
+void gather_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& blocks, at::Tensor k,
+                     at::Tensor v) {
+  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() && v.sizes() == k.sizes(), "k/v: [Hkv, L, D]");
+  check_cache(k_cache, v_cache, k.size(2));
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  const int64_t B = v_cache.size(2) * v_cache.size(4);
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() && blocks.numel() * B >= k.size(1),
+              "blocks: int64, enough for the context");
+  pagellm::dispatch_float(k.scalar_type(), "gather_kv_cache", [&](auto tag) {
+    gather_cache<decltype(tag)>(k_cache, v_cache, blocks, k, v);
+  });
+}
+
 // Registered as torch.ops.pagellm.* (no pybind11: the build stays small and fast).
 TORCH_LIBRARY(pagellm, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor(a!) out, float scale, int window) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start, Tensor(a!) out, float scale, int window, int max_query_len) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
+  m.def("gather_kv_cache(Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor(a!) k, Tensor(b!) v) -> ()");
+  m.impl("gather_kv_cache", c10::DispatchKey::CPU, &gather_kv_cache);
 }

@@ -1,0 +1,142 @@
+// Building blocks of the CPU paged-attention kernel: the cache layout's element access, the 16-token score
+// tile, the weighted sum of a block's values, softmax. See paged_attention_cpu.cpp for the layout.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "vec.h"
+
+namespace pagellm {
+
+// Elements per 32-bit word of the cache: 2 for bf16/fp16, 1 for fp32.
+template <typename T>
+constexpr int pack_x() { return sizeof(T) == 4 ? 1 : 2; }
+
+// Element access in the layout (portable path and odd shapes): kb / vb point at one (block, kv head).
+template <typename T>
+inline float k_at(const T* kb, int64_t B, int64_t t, int64_t d) {
+  constexpr int x = pack_x<T>();
+  return to_float(kb[(d / x) * B * x + t * x + d % x]);
+}
+template <typename T>
+inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
+  constexpr int x = pack_x<T>();
+  return to_float(vb[(t / x) * D * x + d * x + t % x]);
+}
+
+// p[lo..hi) = exp(s - max) / sum, in place; returns nothing (normalised probabilities).
+inline void softmax_range(float* s, int64_t lo, int64_t hi) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = lo; i < hi; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+  int64_t i = lo;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= hi; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < hi; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (i = lo; i < hi; ++i) s[i] *= inv;
+}
+
+#if defined(__AVX512F__)
+// The two elements of each 32-bit word as fp32 (bf16: a shift and a mask; fp16: two conversions).
+inline void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
+  lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+  hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+}
+
+// Scores of up to 16 tokens (lanes in mask m, from token t0 of the block) for NV query vectors q [NV][D]:
+// s[v * ns + t0 + lane]. A accumulators per vector (independent FMA chains hide the latency).
+template <int NV, typename T>
+inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
+                       int64_t ns) {
+  constexpr int x = pack_x<T>();
+  constexpr int A = NV <= 4 ? 4 : 2;
+  const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
+  __m512 acc[A][NV];
+  for (int a = 0; a < A; ++a)
+    for (int v = 0; v < NV; ++v) acc[a][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D / x; j += A / 2) {  // A / 2 word rows per step (D / x is a multiple of 2)
+    for (int u = 0; u < A / 2; ++u) {
+      const __m512i word = _mm512_maskz_loadu_epi32(m, w + (j + u) * B);
+      if constexpr (x == 2) {
+        __m512 lo, hi;
+        split(word, lo, hi, kb);
+        for (int v = 0; v < NV; ++v) {
+          const float* qv = q + v * D + 2 * (j + u);
+          acc[2 * u][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[0]), lo, acc[2 * u][v]);
+          acc[2 * u + 1][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[1]), hi, acc[2 * u + 1][v]);
+        }
+      } else {
+        const __m512 kv = _mm512_castsi512_ps(word);
+        for (int v = 0; v < NV; ++v)
+          acc[2 * u][v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v * D + j + u]), kv, acc[2 * u][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    __m512 r = acc[0][v];
+    for (int a = 1; a < A; ++a) r = _mm512_add_ps(r, acc[a][v]);
+    _mm512_mask_storeu_ps(s + v * ns + t0, m, r);
+  }
+}
+
+// acc[v] += p[v][t] * v_t for one token pair (x == 2; flags say which of its two tokens count).
+template <int NV, int C, typename T>
+inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
+                    __m512 (&acc)[NV][C]) {
+  for (int c = 0; c < C; ++c) {
+    __m512 a, b;
+    split(_mm512_loadu_si512(row + 16 * c), a, b, static_cast<const T*>(nullptr));
+    for (int v = 0; v < NV; ++v) {
+      if (first) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns]), a, acc[v][c]);
+      if (second) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns + 1]), b, acc[v][c]);
+    }
+  }
+}
+
+// acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
+// [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in.
+template <int NV, int C, typename T>
+inline void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi, __m512 (&acc)[NV][C]) {
+  constexpr int x = pack_x<T>();
+  constexpr int64_t D = 16 * C;
+  const int32_t* w = reinterpret_cast<const int32_t*>(vb);
+  if constexpr (x == 2) {
+    int64_t i = lo / 2;
+    if (lo % 2) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
+    for (; 2 * i + 1 < hi; ++i) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
+    if (2 * i < hi) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
+  } else {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int c = 0; c < C; ++c) {
+        const __m512 val = _mm512_castsi512_ps(_mm512_loadu_si512(w + t * D + 16 * c));
+        for (int v = 0; v < NV; ++v) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns + t]), val, acc[v][c]);
+      }
+  }
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+#endif
+
+}  // namespace pagellm

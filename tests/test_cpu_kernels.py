@@ -91,3 +91,32 @@ def test_bad_shapes_are_refused_clearly():
     with pytest.raises(RuntimeError, match="dtype Double is not supported"):
         ops.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64),
                      torch.zeros(2, 8, dtype=torch.float64), 1e-5)
+
+
+@pytest.mark.skipif(not ops.small_m_linear_supported(), reason="CPU without AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n,bias", [(576, 3072, False), (70, 13, True), (1536, 576, True)])
+def test_small_m_linear_matches_fp32_matmul(rows, k, n, bias):
+    # odd K (a masked tail of the 32-wide dot products) and N (a partial group of 4 output rows), with bias
+    torch.manual_seed(4)
+    x = torch.randn(rows, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    ops.small_m_linear(x, w, b, out)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # exact bf16 products, fp32 sums in another order, one bf16 rounding of the result
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+def test_packed_and_streaming_linears_agree_with_f_linear():
+    from pagellm.model_executor.layers.linear import cpu_linear, gemv_op, pack_weight
+
+    torch.manual_seed(5)
+    w = torch.randn(96, 64).bfloat16()
+    b = torch.randn(96).bfloat16()
+    packed = pack_weight(w)
+    for rows in (1, 4, 5, 128, 129):  # streaming kernel, packed oneDNN, plain oneDNN
+        x = torch.randn(rows, 64).bfloat16()
+        got = cpu_linear(x, w, b, packed, gemv_op(ops, torch.bfloat16))
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=5e-2)

@@ -32,5 +32,5 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     model.rotary.build_tables(device)
     model.load_weights(weights)
     if device.type == "cpu" and backend.ops is not None and packing_works(dtype):
-        model.prepack()
+        model.prepack(backend.ops)
     return model.eval()

@@ -109,14 +109,35 @@ def test_small_m_linear_matches_fp32_matmul(rows, k, n, bias):
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-def test_packed_and_streaming_linears_agree_with_f_linear():
-    from pagellm.model_executor.layers.linear import cpu_linear, gemv_op, pack_weight
+@pytest.mark.parametrize("kernels", ["amx", "gemv+onednn"])
+def test_cpu_linear_paths_agree_with_f_linear(kernels):
+    from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels
 
+    have = cpu_kernels(ops, torch.bfloat16)
+    if kernels == "amx":
+        if have is None or have.amx is None:
+            pytest.skip("no AMX here")
+        k = CPUKernels(amx=have.amx)
+    else:
+        k = CPUKernels(gemv=have.gemv if have else None, onednn_packing=True)
     torch.manual_seed(5)
-    w = torch.randn(96, 64).bfloat16()
-    b = torch.randn(96).bfloat16()
-    packed = pack_weight(w)
-    for rows in (1, 4, 5, 128, 129):  # streaming kernel, packed oneDNN, plain oneDNN
-        x = torch.randn(rows, 64).bfloat16()
-        got = cpu_linear(x, w, b, packed, gemv_op(ops, torch.bfloat16))
-        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=5e-2)
+    for n in (96, 40):  # 40: a partial 16-column tile
+        w = torch.randn(n, 64).bfloat16()
+        b = torch.randn(n).bfloat16()
+        lin = CPULinear(w, b, k)
+        for rows in (1, 4, 5, 17, 64, 65, 128, 129):  # every path and its edges
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+@pytest.mark.parametrize("rows", [1, 15, 16, 33, 64])
+def test_amx_linear_matches_fp32_matmul(rows):
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    torch.manual_seed(6)
+    x, w, b = torch.randn(rows, 576).bfloat16(), torch.randn(200, 576).bfloat16(), torch.randn(200).bfloat16()
+    out = torch.empty(rows, 200, dtype=torch.bfloat16)
+    ops.amx_linear(x, pack_amx(w), b, out)
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

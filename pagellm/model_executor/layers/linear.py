@@ -1,19 +1,22 @@
-"""Linear layers for CPU decode: a streaming kernel for a few rows, oneDNN with pre-packed weights for more.
+"""Linear layers for CPU decode: the weight re-laid-out once for the batch sizes of a decode step.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it re-packs on every call. With a few rows of input (a
-decode step: one row per running request) that re-packing costs more than the multiply itself; measured here on
-SmolLM2's layer shapes, 64 rows, bf16: 40 ms per step for all layers plainly against 24 ms pre-packed. With
-thousands of rows (a prefill chunk) the two are even and the plain path is kept, so each layer holds both forms
-(about 270 MB more for the default model). fp32 keeps the plain path only, which is the same GEMM HF transformers
-calls, so greedy tokens stay exactly the reference's.
-
-With at most GEMV_MAX_ROWS rows (single-stream decode) our own kernel (``csrc/gemv_cpu.cpp``) streams the plain
-weight once at close to memory bandwidth: 30 layers x 4 linears of SmolLM2 at one row, bf16, 10-12 ms against
-16-23 ms through oneDNN, measured here.
+decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
+than the multiply. So each layer keeps, next to its plain weight (used for prefill chunks, where the two are even),
+one pre-packed copy, the best this CPU offers:
+  - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, up to AMX_MAX_ROWS rows. SmolLM2's 120 layer linears,
+    bf16, measured here: 11.5 ms at 1 row, 14-16 ms at 32, 22 ms at 64 (oneDNN pre-packed: 21-26, 31, 26-35 ms;
+    plain F.linear: 28-31 ms at 1 row, 40-48 ms at 64);
+  - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
+    (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows (12-14 ms at 1-4 rows).
+The copy costs the weights' size once more (~270 MB for the default model). fp32 keeps the plain path only,
+which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the reference's.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +24,22 @@ from torch import nn
 
 logger = logging.getLogger("pagellm")
 
-# At most this many rows go through the packed weight; at most GEMV_MAX_ROWS through the streaming kernel.
+AMX_MAX_ROWS = 64
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 
 
+@dataclass(frozen=True)
+class CPUKernels:
+    """The decode-sized linear kernels this process can use (decided once per model)."""
+
+    amx: Callable | None = None  # torch.ops.pagellm.amx_linear
+    gemv: Callable | None = None  # torch.ops.pagellm.small_m_linear
+    onednn_packing: bool = False
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
@@ -34,63 +47,77 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-               gemv) -> torch.Tensor:
-    """x @ weight.T + bias by the fastest path for x's number of rows (``gemv``: the kernel op, or None)."""
-    rows = x.shape[0]
-    if gemv is not None and rows <= GEMV_MAX_ROWS and x.stride(-1) == 1:
-        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        gemv(x, weight, bias, out)
-        return out
-    if rows <= PACKED_MAX_ROWS:
-        return packed_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K/32, 16, 16, 2]: element [c, k, r, n, e] = weight[16c + n, 32k + 2r + e]
+    (columns past N are zero): each 16-column x 32-deep slice is one AMX B tile, one contiguous KiB."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight.detach()
+    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-class PackedLinear(nn.Module):
-    """Wraps an ``nn.Linear``: its weight is also kept pre-packed; ``cpu_linear`` picks the path per call."""
+class CPULinear(nn.Module):
+    """y = x @ weight.T + bias, by the fastest path for x's number of rows. Holds the plain weight (shared with
+    the model's parameter, not copied) and one pre-packed form of it."""
 
-    def __init__(self, linear: nn.Linear, gemv) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
         super().__init__()
-        self.linear = linear
-        self.packed = pack_weight(linear.weight)
-        self.gemv = gemv
+        self.weight, self.bias = weight, bias
+        self.amx = kernels.amx if kernels.amx is not None and weight.shape[1] % 32 == 0 else None
+        self.amx_weight = pack_amx(weight) if self.amx is not None else None
+        self.gemv = kernels.gemv if self.amx is None else None
+        self.onednn_weight = pack_weight(weight) if self.amx is None and kernels.onednn_packing else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            return self.linear(x)
-        return cpu_linear(x, self.linear.weight, self.linear.bias, self.packed, self.gemv)
+        rows = x.shape[0]
+        if x.dim() == 2 and x.stride(-1) == 1:
+            if self.amx is not None and rows <= AMX_MAX_ROWS:
+                out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+                self.amx(x, self.amx_weight, self.bias, out)
+                return out
+            if self.gemv is not None and rows <= GEMV_MAX_ROWS:
+                out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+                self.gemv(x, self.weight, self.bias, out)
+                return out
+            if self.onednn_weight is not None and rows <= PACKED_MAX_ROWS:
+                return packed_linear(x, self.onednn_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-def packing_works(dtype: torch.dtype) -> bool:
-    """True if oneDNN packing is available here and agrees with F.linear (checked once on a small case)."""
-    if dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+def _onednn_packing_works(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(96, 64, generator=g).to(dtype)
         x = torch.randn(5, 64, generator=g).to(dtype)
-        ok = torch.allclose(packed_linear(x, pack_weight(w), None).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+        return torch.allclose(packed_linear(x, pack_weight(w), None).float(), F.linear(x, w).float(), rtol=2e-2,
+                              atol=2e-2)
     except (RuntimeError, AttributeError) as e:
-        logger.info("oneDNN weight packing unavailable (%s); using plain linear layers", e)
+        logger.info("oneDNN weight packing unavailable (%s)", e)
         return False
-    return ok
 
 
-def gemv_op(ops, dtype: torch.dtype):
-    """The streaming kernel if this build and CPU have it (AVX512-BF16) and the dtype is bf16, else None."""
-    if ops is None or dtype != torch.bfloat16:
+def cpu_kernels(ops, dtype: torch.dtype) -> CPUKernels | None:
+    """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32)."""
+    if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    try:
-        return ops.small_m_linear.default if ops.small_m_linear_supported() else None
-    except (RuntimeError, AttributeError):
-        return None
+    amx = gemv = None
+    if dtype == torch.bfloat16:
+        try:
+            amx = ops.amx_linear.default if ops.amx_linear_supported() else None
+            gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
+        except (RuntimeError, AttributeError) as e:
+            logger.info("CPU linear kernels unavailable (%s)", e)
+    kernels = CPUKernels(amx, gemv, amx is None and _onednn_packing_works(dtype))
+    return kernels if (kernels.amx or kernels.gemv or kernels.onednn_packing) else None
 
 
-def prepack_linears(model: nn.Module, gemv) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by a ``PackedLinear``; returns how many were packed."""
+def replace_linears(model: nn.Module, kernels: CPUKernels) -> int:
+    """Swap every ``nn.Linear`` under ``model`` for a ``CPULinear`` on the same parameters; returns how many."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(linear, gemv))
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, CPULinear(linear.weight, linear.bias, kernels))
     return len(targets)

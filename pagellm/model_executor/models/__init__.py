@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.model_executor.layers.attention import AttentionBackend
-from pagellm.model_executor.layers.linear import packing_works
+from pagellm.model_executor.layers.linear import cpu_kernels
 from pagellm.model_executor.models.llama import LlamaForCausalLM
 
 # Every supported architecture is a Llama-family decoder with small switches (see models/llama.py).
@@ -31,6 +31,7 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     model.to_empty(device=device)
     model.rotary.build_tables(device)
     model.load_weights(weights)
-    if device.type == "cpu" and backend.ops is not None and packing_works(dtype):
-        model.prepack(backend.ops)
+    kernels = cpu_kernels(backend.ops, dtype) if device.type == "cpu" else None
+    if kernels is not None:
+        model.use_cpu_kernels(kernels)
     return model.eval()

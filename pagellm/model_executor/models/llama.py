@@ -17,7 +17,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
-from pagellm.model_executor.layers.linear import cpu_linear, gemv_op, pack_weight, prepack_linears
+from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, replace_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -172,8 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.eps, backend.ops)
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None
-        self.gemv = None
+        self.fast_lm_head: CPULinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -184,17 +183,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        if self.fast_lm_head is not None:
+            return self.fast_lm_head(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.lm_head_packed is not None:
-            return cpu_linear(x, weight, None, self.lm_head_packed, self.gemv).float()
         return F.linear(x, weight).float()
 
-    def prepack(self, ops) -> None:
-        """CPU decode speed: pre-pack the weights of every linear layer and of the LM head (see layers/linear)."""
-        self.gemv = gemv_op(ops, self.embed_tokens.weight.dtype)
-        prepack_linears(self.layers, self.gemv)
+    def use_cpu_kernels(self, kernels: CPUKernels) -> None:
+        """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear)."""
+        replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = pack_weight(weight)
+        self.fast_lm_head = CPULinear(weight, None, kernels)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -120,7 +120,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     profiler = _start_profiler() if a.profile else None
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs, token_times = _generate_timed(llm, prompts, params)
     wall = time.perf_counter() - t0
     peak = rss.stop()
 
@@ -142,9 +142,50 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
         "prefix_caching": engine.config.enable_prefix_caching,
         "prefix_cache_hit_rate": round(engine.kv_manager.prefix_hit_rate, 4),
     }
+    result.update(_latency_stats(prompts, token_times, t0))
     if profiler is not None:
         result["profile_s"] = _stop_profiler(profiler)
     return result
+
+
+def _generate_timed(llm, prompts: list[list[int]], params) -> tuple[list, list[list[float]]]:
+    """LLM.generate's loop, also noting when each request's tokens arrive (one timestamp per step output)."""
+    engine = llm.llm_engine
+    ids = [engine.add_request(prompt_token_ids=p, sampling_params=params) for p in prompts]
+    index = {rid: i for i, rid in enumerate(ids)}
+    times: list[list[float]] = [[] for _ in ids]
+    counts = [0] * len(ids)
+    done: dict[str, object] = {}
+    while len(done) < len(ids) and engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            i = index.get(out.request_id)
+            if i is None:
+                continue
+            n = len(out.outputs[0].token_ids)
+            times[i] += [now] * (n - counts[i])
+            counts[i] = n
+            if out.finished:
+                done[out.request_id] = out
+    return [done[r] for r in ids], times
+
+
+def _latency_stats(prompts: list[list[int]], times: list[list[float]], t0: float) -> dict:
+    """TTFT and inter-token latency percentiles (ms) over all requests, and over the short-prompt ones
+    (at most 1,024 prompt tokens) when the workload mixes lengths: how much long prefills stall decodes."""
+    import numpy as np
+
+    def pct(xs):
+        return {"p50": round(float(np.percentile(xs, 50)) * 1e3, 1),
+                "p99": round(float(np.percentile(xs, 99)) * 1e3, 1)} if xs else None
+
+    itl = lambda rows: [b - a for ts in rows for a, b in zip(ts, ts[1:])]  # noqa: E731
+    out = {"ttft_ms": pct([ts[0] - t0 for ts in times if ts]), "itl_ms": pct(itl(times))}
+    short = [ts for p, ts in zip(prompts, times) if len(p) <= 1024]
+    if len(short) < len(times):
+        out["short_request_itl_ms"] = pct(itl(short))
+    return out
 
 
 def cmd_latency(a: argparse.Namespace) -> None:

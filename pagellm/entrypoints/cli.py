@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     lat.set_defaults(func=cmd_latency)
     from pagellm.entrypoints.bench_serve import add_parser as add_bench_serve
     add_bench_serve(bsub)
+    from pagellm.entrypoints.bench_agreement import add_parser as add_bench_agreement
+    add_bench_agreement(bsub, _engine_args)
 
     a = ap.parse_args(argv)
     a.func(a)

@@ -1,0 +1,81 @@
+"""``pagellm bench agreement``: teacher-forced top-1 agreement of a low-precision run with the fp32 reference.
+
+Free-running bf16 and fp32 generations part ways at the first near-tie and never meet again, in every engine, so
+they say little about numerical quality. Teacher forcing does: the fp32 engine first generates a greedy
+continuation of each prompt; the engine in the tested dtype then reads prompt + continuation in one forward pass
+and predicts every continuation token; the figure is the share of positions where its top-1 equals the fp32
+token. One JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+
+def teacher_forced_top1(engine, tokens: list[int], first: int) -> list[int]:
+    """The model's top-1 prediction for positions first..len(tokens)-1, given tokens[:position] (one prefill
+    of the whole sequence in blocks borrowed from the engine's pool, returned afterwards)."""
+    from pagellm.model_executor.layers.attention import AttentionMetadata
+
+    bs, L = engine.config.block_size, len(tokens)
+    blocks = engine.kv_manager.pool.allocate(-(-L // bs))
+    try:
+        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int64)
+        pos = torch.arange(L)
+        empty = torch.zeros(0, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=ids[pos // bs] * bs + pos % bs, block_tables=ids[None, :], seq_lens=torch.tensor([L]),
+            query_start_loc=torch.tensor([0, L]), seq_lens_list=[L], query_start_list=[0, L], query_lens_list=[L],
+            decode_q_idx=empty, decode_block_tables=torch.zeros(0, len(blocks), dtype=torch.int64),
+            decode_seq_lens=empty, max_decode_seq_len=0, prefill_rows=[0])
+        dev = engine.runner.device
+        with torch.inference_mode():
+            logits = engine.model(torch.tensor(tokens, device=dev), pos.to(dev), engine.runner.kv_caches,
+                                  meta, torch.arange(first - 1, L - 1, device=dev))
+        return logits.argmax(-1).tolist()
+    finally:
+        engine.kv_manager.pool.free(blocks)
+
+
+def cmd_agreement(a: argparse.Namespace) -> None:
+    from pagellm import LLM, SamplingParams
+    from pagellm.entrypoints.bench import load_workload
+    from pagellm.entrypoints.cli import engine_kwargs
+
+    meta, prompts = load_workload(a.workload)
+    prompts = prompts[:a.num_prompts] if a.num_prompts else prompts
+    out_len = a.output_len or int(meta["output_len"])
+    kwargs = engine_kwargs(a)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+
+    ref = LLM(**{**kwargs, "dtype": "float32"})
+    conts = [o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    del ref
+
+    test = LLM(**kwargs)
+    engine = test.llm_engine
+    per_prompt = []
+    for p, c in zip(prompts, conts):
+        pred = teacher_forced_top1(engine, list(p) + list(c), len(p))
+        per_prompt.append(float(np.mean([x == y for x, y in zip(pred, c)])))
+    total = sum(len(c) for c in conts)
+    agree = sum(m * len(c) for m, c in zip(per_prompt, conts)) / total
+    sys.stdout.write(json.dumps({
+        "engine": "pagellm", "mode": "teacher_forced_agreement", "reference_dtype": "float32",
+        "dtype": str(engine.config.torch_dtype).replace("torch.", ""), "prompts": len(prompts),
+        "positions": total, "top1_agreement": round(agree, 4),
+        "min_prompt_agreement": round(min(per_prompt), 4)}) + "\n")
+
+
+def add_parser(bsub, engine_args) -> None:
+    ag = bsub.add_parser("agreement", help="teacher-forced top-1 agreement with the fp32 reference (one JSON line)")
+    ag.add_argument("--workload", required=True, help="workload JSON: {meta: {output_len}, prompts: [[ids]]}")
+    ag.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    ag.add_argument("--output-len", type=int, default=None, help="continuation length (default: the workload's)")
+    engine_args(ag)
+    ag.set_defaults(func=cmd_agreement)

@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Fetch the default model and compile the CPU attention kernel ahead of the first engine start.
+# Fetch the default model and compile the CPU kernels ahead of the first engine start.
 model: install
 	$(PY) -m pagellm.model_executor.default_model
-	$(PY) -m pagellm.model_executor.layers.cpu_attention
+	$(PY) -m pagellm.model_executor.layers.cpu_kernels
 
 # The main job: the OpenAI-compatible server on 127.0.0.1:8000 (Ctrl-C to stop).
 run: model

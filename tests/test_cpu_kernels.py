@@ -141,3 +141,17 @@ def test_amx_linear_matches_fp32_matmul(rows):
     ops.amx_linear(x, pack_amx(w), b, out)
     want = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
+    torch.manual_seed(7)
+    x = torch.randn(6, 1000).to(dtype)  # 1000: a scalar tail after the 16-lane chunks
+    x[1, 5] = x[1, 700] = 50.0  # tie: the first index wins
+    x[2, :] = float("-inf")  # all -inf: index 0
+    x[3, 999] = 60.0  # maximum in the tail
+    x[4, 300] = float("nan")  # NaN: its index, as torch
+    x[5, 17] = x[5, 33] = 40.0  # tie inside the vector part, in different lanes
+    out = torch.empty(6, dtype=torch.int64)
+    ops.argmax_rows(x, out)
+    assert out.tolist() == x.argmax(-1).tolist() == [out[0].item(), 5, 0, 999, 300, 17]

@@ -200,10 +200,11 @@ def cmd_latency(a: argparse.Namespace) -> None:
     llm = LLM(**engine_kwargs(a))
     engine = llm.llm_engine
     rng = random.Random(a.seed)
-    prompt = [rng.randrange(17, engine.vocab_size) for _ in range(a.input_len)]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
 
     def once() -> tuple[float, float, float]:
+        # a fresh prompt each run: the prefix cache must not serve a repeated one
+        prompt = [rng.randrange(17, engine.vocab_size) for _ in range(a.input_len)]
         t0 = time.perf_counter()
         engine.add_request(prompt_token_ids=prompt, sampling_params=params)
         stamps = []

@@ -39,7 +39,7 @@ class ModelRunner:
         if num_host_blocks:
             self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_elems, dtype=dtype,
                                              pin_memory=device.type == "cuda")
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.ops)
 
     def swap(self, so: SchedulerOutput) -> None:
         """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""

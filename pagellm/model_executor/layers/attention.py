@@ -9,7 +9,7 @@ CPU and CUDA. Faster kernels (a CPU C++ kernel, FlashAttention's paged kernel) s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import logging
 
@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [Rd]
     max_decode_seq_len: int
     prefill_rows: list[int]  # request indices with more than one query token
+    # Per-step memo of prefill attention masks, keyed by (request, window): built by the first layer, reused by
+    # the others (a 2,048 x 7,000 mask is worth building once, not 30 times).
+    masks: dict = field(default_factory=dict)
 
 
 class AttentionBackend:
@@ -139,11 +142,23 @@ class TorchPagedAttention(AttentionBackend):
         if qlen == ctx and sliding_window is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            q_pos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-            mask = _key_mask(q_pos, torch.arange(ctx, device=q.device)[None, :], torch.tensor(ctx, device=q.device),
-                             sliding_window)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=_prefill_mask(meta, r, qlen, ctx, sliding_window,
+                                                                                 q.dtype, q.device),
+                                               scale=scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
+
+
+def _prefill_mask(meta: AttentionMetadata, r: int, qlen: int, ctx: int, sliding_window: int | None,
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask (0 / -inf in the query dtype: SDPA's CPU flash kernel takes it faster than a boolean one)
+    for the last qlen positions of a ctx-token context; memoised in the step's metadata."""
+    key = (r, sliding_window)
+    if key not in meta.masks:
+        q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]
+        allowed = _key_mask(q_pos, torch.arange(ctx, device=device)[None, :], torch.tensor(ctx, device=device),
+                            sliding_window)
+        meta.masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return meta.masks[key]
 
 
 def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim: int,

@@ -171,12 +171,13 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.eps, backend.ops)
+        self.ops = backend.ops
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (fp32)."""
+        """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (model dtype)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         residual = None
@@ -184,9 +185,9 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         if self.fast_lm_head is not None:
-            return self.fast_lm_head(x).float()
+            return self.fast_lm_head(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return F.linear(x, weight)
 
     def use_cpu_kernels(self, kernels: CPUKernels) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear)."""

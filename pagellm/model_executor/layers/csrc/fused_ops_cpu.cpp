@@ -5,12 +5,14 @@
 //   add_rms_norm       residual = T(x + residual); x = rms_norm(residual)    (in place)
 //   silu_and_mul       out = T(T(silu(gate)) * up)  with gate_up = [gate | up]
 //   rotary_embedding   q, k = T(T(q * cos) + T(rotate_half(q) * sin)) in place, cos/sin rows by position
+//   argmax_rows        greedy sampling straight from the logits in the model's dtype (no fp32 copy)
 // Rows are split across threads; each row is read and written once.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "vec.h"
@@ -162,6 +164,51 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
   });
 }
 
+// Index of each row's maximum: the first one on ties, the first NaN if there is one (as torch.argmax).
+template <typename T>
+void argmax_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t R = x.size(0), V = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* row = xp + r * x.stride(0);
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = 0, i = 0;
+      bool nan = false;
+#if defined(__AVX512F__)
+      __m512 vbest = _mm512_set1_ps(best);
+      __m512i vidx = _mm512_setzero_si512(), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __mmask16 unordered = 0;
+      for (; i + 16 <= V; i += 16) {
+        const __m512 v = load16(row + i);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vbest = _mm512_mask_mov_ps(vbest, gt, v);
+        vidx = _mm512_mask_mov_epi32(vidx, gt, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i))));
+      }
+      nan = unordered != 0;
+      alignas(64) float bv[16];
+      alignas(64) int32_t bi[16];
+      _mm512_store_ps(bv, vbest);
+      _mm512_store_si512(bi, vidx);
+      for (int l = 0; l < 16; ++l)
+        if (bv[l] > best || (bv[l] == best && bi[l] < arg)) best = bv[l], arg = bi[l];
+      if (best == -std::numeric_limits<float>::infinity()) arg = 0;  // all -inf so far: the first element
+#endif
+      for (; i < V; ++i) {
+        const float v = to_float(row[i]);
+        if (std::isnan(v)) nan = true;
+        if (v > best) best = v, arg = i;
+      }
+      if (nan)
+        for (int64_t j = 0; j < V; ++j)
+          if (std::isnan(to_float(row[j]))) { arg = j; break; }
+      op[r] = arg;
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected [N, H] with contiguous rows");
 }
@@ -201,7 +248,16 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   dispatch_float(q.scalar_type(), "rotary_embedding", [&](auto tag) { rotary_impl<decltype(tag)>(q, k, cos, sin); });
 }
 
+void argmax_rows(const at::Tensor& x, at::Tensor out) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0) && x.size(1) > 0,
+              "out: int64 [rows]");
+  dispatch_float(x.scalar_type(), "argmax_rows", [&](auto tag) { argmax_impl<decltype(tag)>(x, out); });
+}
+
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("argmax_rows(Tensor x, Tensor(a!) out) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.def("rms_norm(Tensor x, Tensor weight, Tensor(a!) out, float eps) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

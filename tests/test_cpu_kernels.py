@@ -125,13 +125,13 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
         w = torch.randn(n, 64).bfloat16()
         b = torch.randn(n).bfloat16()
         lin = CPULinear(w, b, k)
-        for rows in (1, 4, 5, 17, 64, 65, 128, 129):  # every path and its edges
+        for rows in (1, 4, 5, 17, 64, 65, 128, 129, 512, 513):  # every path and its edges
             x = torch.randn(rows, 64).bfloat16()
             torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
-@pytest.mark.parametrize("rows", [1, 15, 16, 33, 64])
+@pytest.mark.parametrize("rows", [1, 15, 16, 33, 64, 65, 130])  # 65, 130: more than one 64-row group
 def test_amx_linear_matches_fp32_matmul(rows):
     from pagellm.model_executor.layers.linear import pack_amx
 

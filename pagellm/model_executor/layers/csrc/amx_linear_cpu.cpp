@@ -1,4 +1,4 @@
-// y [M, N] = x [M, K] @ w[N, K]^T (+ bias) on AMX tiles for decode-sized batches (M <= 64), bf16.
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias) on AMX tiles for decode-sized batches (tens of rows), bf16.
 //
 // A decode step multiplies every weight by one row per running request: the weight is read from memory once
 // and the arithmetic is small, so the time is the weight's stream. Here w is packed once at load into AMX's
@@ -59,38 +59,44 @@ void configure(int64_t blocks, int64_t last_rows) {
     else { _tile_loadd(4, a + C * 16 * lda, lda * 2); _tile_dpbf16ps(C, 4, 6); }   \
   }
 
+// Output columns [16 nc0, 16 nc1) for all M rows of x, 64 rows (four C tiles) at a time: each B slice is read
+// from memory once and reused from L1 for every 64-row group.
 void columns(const c10::BFloat16* x, int64_t lda, const c10::BFloat16* bp, int64_t kc_n, int64_t M, int64_t N,
              int64_t nc0, int64_t nc1, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
-  const int64_t blocks = (M + 15) / 16, last_rows = M - (blocks - 1) * 16;
-  configure(blocks, last_rows);
   alignas(64) float c[4 * 16 * 16];
+  int64_t configured = -1;  // rows of the group the tiles are configured for
   for (int64_t nc = nc0; nc < nc1; ++nc) {
-    _tile_zero(0);
-    if (blocks > 1) _tile_zero(1);
-    if (blocks > 2) _tile_zero(2);
-    if (blocks > 3) _tile_zero(3);
     const c10::BFloat16* bcol = bp + nc * kc_n * 512;
-    for (int64_t kc = 0; kc < kc_n; ++kc) {
-      const c10::BFloat16* slice = bcol + kc * 512;
-      if (nc + 1 < nc1) {  // the same slice of the next columns: 16 cache lines
-        const char* nxt = reinterpret_cast<const char*>(slice + kc_n * 512);
-        for (int l = 0; l < 1024; l += 64) _mm_prefetch(nxt + l, _MM_HINT_T0);
+    for (int64_t m0 = 0; m0 < M; m0 += 64) {
+      const int64_t rows = std::min<int64_t>(64, M - m0);
+      const int64_t blocks = (rows + 15) / 16, last_rows = rows - (blocks - 1) * 16;
+      if (rows != configured) configure(blocks, last_rows), configured = rows;
+      _tile_zero(0);
+      if (blocks > 1) _tile_zero(1);
+      if (blocks > 2) _tile_zero(2);
+      if (blocks > 3) _tile_zero(3);
+      for (int64_t kc = 0; kc < kc_n; ++kc) {
+        const c10::BFloat16* slice = bcol + kc * 512;
+        if (m0 == 0 && nc + 1 < nc1) {  // the same slice of the next columns: 16 cache lines
+          const char* nxt = reinterpret_cast<const char*>(slice + kc_n * 512);
+          for (int l = 0; l < 1024; l += 64) _mm_prefetch(nxt + l, _MM_HINT_T0);
+        }
+        _tile_loadd(6, slice, 64);
+        const c10::BFloat16* a = x + m0 * lda + kc * 32;
+        PAGELLM_DP(0) PAGELLM_DP(1) PAGELLM_DP(2) PAGELLM_DP(3)
       }
-      _tile_loadd(6, slice, 64);
-      const c10::BFloat16* a = x + kc * 32;
-      PAGELLM_DP(0) PAGELLM_DP(1) PAGELLM_DP(2) PAGELLM_DP(3)
+      _tile_stored(0, c, 64);
+      if (blocks > 1) _tile_stored(1, c + 256, 64);
+      if (blocks > 2) _tile_stored(2, c + 512, 64);
+      if (blocks > 3) _tile_stored(3, c + 768, 64);
+      const int64_t n0 = nc * 16, nn = std::min<int64_t>(16, N - n0);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < nn; ++j) {
+          float v = c[m * 16 + j];
+          if (bias) v += to_float(bias[n0 + j]);
+          y[(m0 + m) * ldy + n0 + j] = static_cast<c10::BFloat16>(v);
+        }
     }
-    _tile_stored(0, c, 64);
-    if (blocks > 1) _tile_stored(1, c + 256, 64);
-    if (blocks > 2) _tile_stored(2, c + 512, 64);
-    if (blocks > 3) _tile_stored(3, c + 768, 64);
-    const int64_t n0 = nc * 16, nn = std::min<int64_t>(16, N - n0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < nn; ++j) {
-        float v = c[m * 16 + j];
-        if (bias) v += to_float(bias[n0 + j]);
-        y[m * ldy + n0 + j] = static_cast<c10::BFloat16>(v);
-      }
   }
   _tile_release();
 }
@@ -116,7 +122,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::option
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
               out.scalar_type() == at::kBFloat16, "bfloat16 only");
   const int64_t M = x.size(0), N = out.size(1);
-  TORCH_CHECK(M >= 1 && M <= 64 && out.size(0) == M && (N + 15) / 16 == packed.size(0), "M <= 64, N matches packed");
+  TORCH_CHECK(M >= 1 && out.size(0) == M && (N + 15) / 16 == packed.size(0), "out [M, N], N matches packed");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
                             "bias: bfloat16 [N]");

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import pathlib
+import platform
 from functools import lru_cache
 
 import torch
@@ -26,7 +27,7 @@ def load_extension():
 
     from pagellm.model_executor.default_model import cache_dir
 
-    h = hashlib.sha256(torch.__version__.encode())
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())  # -march=native: per CPU kind
     for f in sorted(_CSRC.iterdir()):
         h.update(f.name.encode() + f.read_bytes())
     name = f"pagellm_cpu_kernels_{h.hexdigest()[:12]}"
@@ -39,6 +40,15 @@ def load_extension():
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return torch.ops.pagellm
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (Linux), so a cache dir shared by different CPUs keeps one build each."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       const __m512 one = _mm512_set1_ps(1.f);
       for (; j + 16 <= I; j += 16) {
         const __m512 x = load16(g + j);
-        const __m512 s = round_to(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), g);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 s = round_to(_mm512_div_ps(x, _mm512_add_ps(one, e)), g);
         store16(o + j, _mm512_mul_ps(s, load16(u + j)));
       }
 #endif
@@ -129,7 +130,8 @@ inline void rotate_row(T* x, const T* cos, const T* sin, int64_t D) {
       const __m512 c1 = load16(cos + j), c2 = load16(cos + half + j);
       const __m512 s1 = load16(sin + j), s2 = load16(sin + half + j);
       // out[j] = x1*c1 + (-x2)*s1 ; out[half+j] = x2*c2 + x1*s2, each product and the sum rounded to T
-      const __m512 a1 = round_to(_mm512_mul_ps(x1, c1), x), b1 = round_to(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1), x);
+      const __m512 a1 = round_to(_mm512_mul_ps(x1, c1), x);
+      const __m512 b1 = round_to(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1), x);
       const __m512 a2 = round_to(_mm512_mul_ps(x2, c2), x), b2 = round_to(_mm512_mul_ps(x1, s2), x);
       store16(x + j, _mm512_add_ps(a1, b1));
       store16(x + half + j, _mm512_add_ps(a2, b2));
@@ -178,7 +180,8 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
       bool nan = false;
 #if defined(__AVX512F__)
       __m512 vbest = _mm512_set1_ps(best);
-      __m512i vidx = _mm512_setzero_si512(), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __m512i vidx = _mm512_setzero_si512();
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __mmask16 unordered = 0;
       for (; i + 16 <= V; i += 16) {
         const __m512 v = load16(row + i);
@@ -229,14 +232,16 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual like x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight: [H] of x's dtype");
-  dispatch_float(x.scalar_type(), "add_rms_norm", [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, residual, weight, eps); });
+  dispatch_float(x.scalar_type(), "add_rms_norm",
+                 [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, residual, weight, eps); });
 }
 
 void silu_and_mul(const at::Tensor& gate_up, at::Tensor out) {
   check_rows(gate_up, "gate_up");
   check_rows(out, "out");
   TORCH_CHECK(gate_up.size(1) == 2 * out.size(1) && gate_up.size(0) == out.size(0), "out: [N, gate_up.size(1) / 2]");
-  dispatch_float(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(gate_up, out); });
+  dispatch_float(gate_up.scalar_type(), "silu_and_mul",
+                 [&](auto tag) { silu_and_mul_impl<decltype(tag)>(gate_up, out); });
 }
 
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {

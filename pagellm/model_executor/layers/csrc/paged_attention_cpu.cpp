@@ -108,8 +108,10 @@ inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, 
                        int64_t nv) {
   if constexpr (NV > 0) {
     if (nv >= NV) {
-      for (int64_t v = 0; v + NV <= nv; v += NV) score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns);
-      if (nv % NV) scores_for<C, T, NV - 1>(a, qf + (nv - nv % NV) * 16 * C, kb, t0, m, S + (nv - nv % NV) * ns, ns, nv % NV);
+      for (int64_t v = 0; v + NV <= nv; v += NV)
+        score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns);
+      const int64_t done = nv - nv % NV;
+      if (nv % NV) scores_for<C, T, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV);
     } else {
       scores_for<C, T, NV - 1>(a, qf, kb, t0, m, S, ns, nv);
     }

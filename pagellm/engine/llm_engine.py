@@ -20,7 +20,6 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.parallel_sampling import ParentRequest, child_params
 from pagellm.engine.request import Request, RequestStatus
-from pagellm.model_executor.allocator import tune_host_allocator
 from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
 from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
@@ -56,8 +55,6 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or default_num_threads())
         t0 = time.perf_counter()
         dev = config.torch_device
-        if dev.type == "cpu":
-            tune_host_allocator()
         dtype_hint = None if config.dtype == "auto" else config.dtype
         ckpt = load_checkpoint(config.model, dtype_hint)
         cfg = ckpt.hf_config

@@ -15,7 +15,8 @@ from pagellm.model_executor.layers.attention import TorchPagedAttention
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 
 
-# Requests with at most this many query rows go through the C++ kernel (one tile of its work).
+# Requests with at most this many query rows go through the C++ kernel (one tile of its work); past it SDPA's
+# flash kernel is as fast or faster (``python bench/kernels.py``: 4 chunks of 16 / 64 rows after 500 tokens).
 KERNEL_MAX_QUERY = 16
 
 

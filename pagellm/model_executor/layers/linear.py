@@ -4,14 +4,19 @@
 decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
 than the multiply. So each layer keeps, next to its plain weight (used for prefill chunks, where the two are even),
 one pre-packed copy, the best this CPU offers:
-  - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, up to AMX_MAX_ROWS rows. SmolLM2's 120 layer linears,
-    bf16, measured here: 11.5 ms at 1 row, 14-16 ms at 32, 22-25 ms at 64, 39-42 at 128, 72-76 at 256, 117-155
-    at 512 (plain F.linear: 28-31, -, 43-47, 55-60, 101-105, 150-161 ms; oneDNN pre-packed: 21-26 ms at 1 row,
-    31 at 32, 26-35 at 64); from 1,024 rows plain F.linear wins (150 against 254-304 ms);
+  - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, up to AMX_MAX_ROWS rows;
   - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
-    (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows (12-14 ms at 1-4 rows).
-The copy costs the weights' size once more (~270 MB for the default model). fp32 keeps the plain path only,
-which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the reference's.
+    (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows.
+The copy costs the weights' size once more (~270 MB for the default model). ``python bench/kernels.py`` times
+every path on SmolLM2's 120 layer linears (bf16, round-robin, best of 3); one run here, in ms:
+  rows        1     4    64   128   512
+  plain    18.9  24.7  33.2  34.1  79.8
+  AMX       9.6  13.8  22.4  34.2 120.5
+  stream    8.6  14.8     -     -     -
+  oneDNN   18.1  23.8  21.0  26.6     -
+so AMX serves up to 128 rows (a decode step, a short prompt) and plain F.linear the prefill chunks. fp32 keeps
+the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the
+reference's.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger("pagellm")
 
-AMX_MAX_ROWS = 512
+AMX_MAX_ROWS = 128
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 

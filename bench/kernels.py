@@ -1,0 +1,91 @@
+"""Micro-benchmarks of the CPU kernels against the torch paths they replace; one JSON line per measurement.
+
+    .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
+
+Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
+several row counts. Attention: 64 decode rows over 362-token contexts in shuffled blocks, and 4 chunks after a
+500-token context (where the C++ kernel hands over to SDPA). Argmax: greedy sampling over [64, 49152] logits.
+Each figure is the best of a few repetitions; the machine is noisy, compare the columns of one line.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_attention import make_case  # noqa: E402  (the attention tests' case builder)
+
+from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
+from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
+from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
+from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels  # noqa: E402
+
+
+def best_ms(fs: dict, rounds: int = 3) -> dict:
+    """Best time of each function, measured round-robin (one call of each per round) so that a slow spell of
+    the machine hits every column alike."""
+    times = {name: [] for name in fs}
+    for f in fs.values():
+        f()
+    for _ in range(rounds):
+        for name, f in fs.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return {name: round(min(ts) * 1e3, 2) for name, ts in times.items()}
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def linears(ops) -> None:
+    have = cpu_kernels(ops, torch.bfloat16)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [N, K]
+    weights = [[torch.randn(n, k, dtype=torch.bfloat16) for n, k in shapes] for _ in range(30)]
+    paths = {"plain": None}
+    if have is not None and have.amx is not None:
+        paths["amx"] = CPUKernels(amx=have.amx)
+    if have is not None and have.gemv is not None:
+        paths["streaming"] = CPUKernels(gemv=have.gemv)
+    paths["onednn_packed"] = CPUKernels(onednn_packing=True)
+    layers = {name: [[CPULinear(w, None, k) for w in ws] for ws in weights] for name, k in paths.items() if k}
+    for rows in (1, 4, 64, 128, 512, 1024):
+        x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        fs = {"plain": lambda: [F.linear(x[w.shape[1]], w) for ws in weights for w in ws]}
+        for name, ls in layers.items():
+            fs[name] = lambda ls=ls: [lin(x[lin.weight.shape[1]]) for row in ls for lin in row]
+        emit(bench="120 linears, ms", rows=rows, **best_ms(fs))
+
+
+def attention() -> None:
+    for name, q_lens, ctx in [("64 decodes x 362", [1] * 64, [362] * 64),
+                              ("4 chunks of 16 after 500", [16] * 4, [516] * 4),
+                              ("4 chunks of 64 after 500", [64] * 4, [564] * 4)]:
+        fs = {}
+        for cls in (TorchPagedAttention, CPUPagedAttention):
+            be = cls(3, 64, 16)
+            args = make_case(be, q_lens, ctx, 16, torch.bfloat16, 9, 3, 64)[:5]
+            fs[cls.__name__] = lambda be=be, args=args: be.forward(*args, 0.125, None)
+        emit(bench="attention layer, ms", case=name, **best_ms(fs, rounds=5))
+
+
+def argmax(ops) -> None:
+    logits = torch.randn(64, 49152, dtype=torch.bfloat16)
+    out = torch.empty(64, dtype=torch.int64)
+    emit(bench="greedy argmax [64, 49152], ms", **best_ms({"cpp_bf16": lambda: ops.argmax_rows(logits, out),
+                                                           "torch_fp32_copy_and_argmax": lambda: logits.float().argmax(-1)},
+                                                          rounds=10))
+
+
+if __name__ == "__main__":
+    ops = load_extension()
+    torch.manual_seed(0)
+    linears(ops)
+    attention()
+    argmax(ops)

@@ -131,12 +131,13 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
 
 
 @pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
-@pytest.mark.parametrize("rows", [1, 15, 16, 33, 64, 65, 130])  # 65, 130: more than one 64-row group
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 65, 130, 257, 520])  # row tiles, blocks, chunks, tails
 def test_amx_linear_matches_fp32_matmul(rows):
     from pagellm.model_executor.layers.linear import pack_amx
 
     torch.manual_seed(6)
-    x, w, b = torch.randn(rows, 576).bfloat16(), torch.randn(200, 576).bfloat16(), torch.randn(200).bfloat16()
+    x = torch.randn(rows, 640).bfloat16()[:, 32:608]  # rows strided, as a slice of a wider tensor
+    w, b = torch.randn(200, 576).bfloat16(), torch.randn(200).bfloat16()  # 13 column tiles, the last half full
     out = torch.empty(rows, 200, dtype=torch.bfloat16)
     ops.amx_linear(x, pack_amx(w), b, out)
     want = F.linear(x.float(), w.float(), b.float())

@@ -8,15 +8,15 @@ one pre-packed copy, the best this CPU offers:
   - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
     (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows.
 The copy costs the weights' size once more (~270 MB for the default model). ``python bench/kernels.py`` times
-every path on SmolLM2's 120 layer linears (bf16, round-robin, best of 3); one run here, in ms:
-  rows        1     4    64   128   512
-  plain    18.9  24.7  33.2  34.1  79.8
-  AMX       9.6  13.8  22.4  34.2 120.5
-  stream    8.6  14.8     -     -     -
-  oneDNN   18.1  23.8  21.0  26.6     -
-so AMX serves up to 128 rows (a decode step, a short prompt) and plain F.linear the prefill chunks. fp32 keeps
-the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the
-reference's.
+every path on SmolLM2's 120 layer linears (bf16, round-robin, medians of 5); one run here, in ms:
+  rows        1      4     64    256    512   1024   2048
+  plain    32.1   25.5   31.5   80.9  100.5  259.1  470.0
+  AMX      14.3   12.6   16.3   60.3   80.2  278.0  482.3
+  stream   13.2   14.5      -      -      -      -      -
+  oneDNN   21.7   19.3   20.4      -      -      -      -
+(the machine is noisy: compare within a column). So AMX serves up to 512 rows (decode steps, short prompts, the
+tail of a prefill) and plain F.linear (oneDNN) the long prefill chunks. fp32 keeps the plain path only, which
+is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the reference's.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger("pagellm")
 
-AMX_MAX_ROWS = 128
+AMX_MAX_ROWS = 512
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 

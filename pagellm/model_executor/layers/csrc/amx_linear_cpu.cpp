@@ -1,14 +1,21 @@
-// y [M, N] = x [M, K] @ w[N, K]^T (+ bias) on AMX tiles for decode-sized batches (tens of rows), bf16.
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias) on AMX tiles, bf16 in, fp32 accumulation, bf16 out.
 //
-// A decode step multiplies every weight by one row per running request: the weight is read from memory once
-// and the arithmetic is small, so the time is the weight's stream. Here w is packed once at load into AMX's
-// B-tile order, [N/16][K/32][16 k-pairs][16 n][2], so each 16-column x 32-deep slice is one contiguous KiB;
-// each thread walks its columns in order (software-prefetching the next slice) and multiplies every slice
-// with the up-to-four 16-row tiles of x, accumulating in fp32 tiles.
+// w is packed once at load into AMX's B-tile order, [N/16][K/32][16 k-pairs][16 n][2]: each 16-column x 32-deep
+// slice is one contiguous KiB and each 16-column panel one contiguous run of K/32 KiB. The unit of work is a
+// 32 x 32 block of y held in four fp32 C tiles (two A tiles of x, two B tiles of w per 32-deep step: four loads
+// feed four tile multiplies, with each load issued as soon as the multiplies before it have read the tile it
+// overwrites).
+//
+// Threads own disjoint column ranges, so they never meet. Each walks the rows in chunks of kRowChunk (the
+// chunk's x stays in its L2), and inside a chunk takes its 32-column blocks in order, running every 32-row block
+// of the chunk against one block's w panel (in L1/L2 after the first). For a decode step (tens of rows) that is
+// one pass over w, which streams from memory once; for a prefill chunk w is read once per row chunk.
+// x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -21,8 +28,11 @@
 
 namespace {
 using namespace pagellm;
+using bf16 = c10::BFloat16;
 
 #if defined(PAGELLM_AMX)
+constexpr int64_t kRowChunk = 256;
+
 // Linux hands out AMX tile state on request (once per process).
 bool request_amx() {
   static const bool ok = [] {
@@ -40,67 +50,110 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: C (fp32) of row blocks 0-3; 4: A of a full row block; 5: A of the last, partial one; 6: B.
-void configure(int64_t blocks, int64_t last_rows) {
+// Every tile is 16 rows x 64 bytes: C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
+void configure() {
   TileConfig c;
-  for (int64_t b = 0; b < blocks; ++b) {
-    c.rows[b] = static_cast<uint8_t>(b == blocks - 1 ? last_rows : 16);
-    c.colsb[b] = 64;
-  }
-  c.rows[4] = 16, c.colsb[4] = 64;
-  c.rows[5] = static_cast<uint8_t>(last_rows), c.colsb[5] = 64;
-  c.rows[6] = 16, c.colsb[6] = 64;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
-#define PAGELLM_DP(C)                                                              \
-  if (blocks > C) {                                                                \
-    if (C == blocks - 1) { _tile_loadd(5, a + C * 16 * lda, lda * 2); _tile_dpbf16ps(C, 5, 6); } \
-    else { _tile_loadd(4, a + C * 16 * lda, lda * 2); _tile_dpbf16ps(C, 4, 6); }   \
-  }
-
-// Output columns [16 nc0, 16 nc1) for all M rows of x, 64 rows (four C tiles) at a time: each B slice is read
-// from memory once and reused from L1 for every 64-row group.
-void columns(const c10::BFloat16* x, int64_t lda, const c10::BFloat16* bp, int64_t kc_n, int64_t M, int64_t N,
-             int64_t nc0, int64_t nc1, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
-  alignas(64) float c[4 * 16 * 16];
-  int64_t configured = -1;  // rows of the group the tiles are configured for
-  for (int64_t nc = nc0; nc < nc1; ++nc) {
-    const c10::BFloat16* bcol = bp + nc * kc_n * 512;
-    for (int64_t m0 = 0; m0 < M; m0 += 64) {
-      const int64_t rows = std::min<int64_t>(64, M - m0);
-      const int64_t blocks = (rows + 15) / 16, last_rows = rows - (blocks - 1) * 16;
-      if (rows != configured) configure(blocks, last_rows), configured = rows;
-      _tile_zero(0);
-      if (blocks > 1) _tile_zero(1);
-      if (blocks > 2) _tile_zero(2);
-      if (blocks > 3) _tile_zero(3);
-      for (int64_t kc = 0; kc < kc_n; ++kc) {
-        const c10::BFloat16* slice = bcol + kc * 512;
-        if (m0 == 0 && nc + 1 < nc1) {  // the same slice of the next columns: 16 cache lines
-          const char* nxt = reinterpret_cast<const char*>(slice + kc_n * 512);
-          for (int l = 0; l < 1024; l += 64) _mm_prefetch(nxt + l, _MM_HINT_T0);
-        }
-        _tile_loadd(6, slice, 64);
-        const c10::BFloat16* a = x + m0 * lda + kc * 32;
-        PAGELLM_DP(0) PAGELLM_DP(1) PAGELLM_DP(2) PAGELLM_DP(3)
+// One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32.
+// pf: the next block's two panels, fetched into L1 slice by slice alongside (null: none).
+template <int MB, int NB>
+void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64_t kc_n, const bf16* const* pf,
+           float* c) {
+  _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (MB > 1) _tile_zero(2);
+  if (MB > 1 && NB > 1) _tile_zero(3);
+  const int64_t sa0 = lda[0] * 2, sa1 = lda[1] * 2;
+  _tile_loadd(4, a[0], sa0);
+  _tile_loadd(6, b[0], 64);
+  if (NB > 1) _tile_loadd(7, b[1], 64);
+  if (MB > 1) _tile_loadd(5, a[1], sa1);
+  for (int64_t kc = 0; kc < kc_n; ++kc) {
+    const bool more = kc + 1 < kc_n;
+    const int64_t ka = (kc + 1) * 32, kb = (kc + 1) * 512;
+    if (pf) {
+      for (int i = 0; i < 2; ++i) {
+        const char* p = reinterpret_cast<const char*>(pf[i] + kc * 512);
+        for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
       }
-      _tile_stored(0, c, 64);
-      if (blocks > 1) _tile_stored(1, c + 256, 64);
-      if (blocks > 2) _tile_stored(2, c + 512, 64);
-      if (blocks > 3) _tile_stored(3, c + 768, 64);
-      const int64_t n0 = nc * 16, nn = std::min<int64_t>(16, N - n0);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < nn; ++j) {
-          float v = c[m * 16 + j];
-          if (bias) v += to_float(bias[n0 + j]);
-          y[(m0 + m) * ldy + n0 + j] = static_cast<c10::BFloat16>(v);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, a[0] + ka, sa0);
+    if (MB > 1) {
+      _tile_dpbf16ps(2, 5, 6);
+      if (more) _tile_loadd(6, b[0] + kb, 64);
+      if (NB > 1) _tile_dpbf16ps(3, 5, 7);
+      if (more) _tile_loadd(5, a[1] + ka, sa1);
+    } else if (more) {
+      _tile_loadd(6, b[0] + kb, 64);
+    }
+    if (NB > 1 && more) _tile_loadd(7, b[1] + kb, 64);
+  }
+  _tile_stored(0, c, 128);
+  if (NB > 1) _tile_stored(1, c + 16, 128);
+  if (MB > 1) _tile_stored(2, c + 512, 128);
+  if (MB > 1 && NB > 1) _tile_stored(3, c + 528, 128);
+}
+
+// y[rows, cols] (+ bias) from the fp32 block c [32][32].
+void store_block(const float* c, int64_t rows, int64_t n0, int64_t cols, const bf16* bias, bf16* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* cm = c + m * 32;
+    bf16* ym = y + m * ldy + n0;
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      __m512 v = _mm512_loadu_ps(cm + j);
+      if (bias) v = _mm512_add_ps(v, load16(bias + n0 + j));
+      store16(ym + j, v);
+    }
+    for (; j < cols; ++j) ym[j] = static_cast<bf16>(cm[j] + (bias ? to_float(bias[n0 + j]) : 0.f));
+  }
+}
+
+// The column blocks [nb0, nb1) (32 columns each) of y, all rows.
+void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n, int64_t N, int64_t nb0, int64_t nb1,
+             const bf16* bias, bf16* y, int64_t ldy) {
+  configure();
+  alignas(64) float c[32 * 32];
+  const int64_t full = M / 16 * 16, K = kc_n * 32;
+  std::vector<bf16> tail;  // the last M % 16 rows, zero-padded to 16
+  if (full < M) {
+    tail.assign(16 * K, bf16(0.f));
+    for (int64_t m = full; m < M; ++m) std::copy_n(x + m * lda, K, tail.data() + (m - full) * K);
+  }
+  const int64_t panel = kc_n * 512, tiles_n = (N + 15) / 16;
+  for (int64_t mc = 0; mc < M; mc += kRowChunk) {
+    const int64_t mc_end = std::min(M, mc + kRowChunk);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
+      const int64_t cols = std::min<int64_t>(32, N - n0);
+      const bf16* b[2] = {bp + t0 * panel, bp + (t0 + nt - 1) * panel};
+      const int64_t t1 = std::min(t0 + 2, tiles_n - 1);  // the next block's panels
+      const bf16* next[2] = {bp + t1 * panel, bp + std::min(t1 + 1, tiles_n - 1) * panel};
+      for (int64_t m0 = mc; m0 < mc_end; m0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, mc_end - m0), mt = (rows + 15) / 16;
+        const bf16* a[2];
+        int64_t ld[2];
+        for (int i = 0; i < 2; ++i) {
+          const int64_t r = m0 + 16 * std::min<int64_t>(i, mt - 1);
+          a[i] = r < full ? x + r * lda : tail.data();
+          ld[i] = r < full ? lda : K;
         }
+        const bf16* const* pf = m0 == mc && nb + 1 < nb1 ? next : nullptr;
+        if (mt == 2 && nt == 2) block<2, 2>(a, ld, b, kc_n, pf, c);
+        else if (mt == 2) block<2, 1>(a, ld, b, kc_n, pf, c);
+        else if (nt == 2) block<1, 2>(a, ld, b, kc_n, pf, c);
+        else block<1, 1>(a, ld, b, kc_n, pf, c);
+        store_block(c, rows, n0, cols, bias, y + m0 * ldy, ldy);
+      }
     }
   }
   _tile_release();
 }
-#undef PAGELLM_DP
 #endif
 
 }  // namespace
@@ -127,12 +180,13 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::option
   if (has_bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
                             "bias: bfloat16 [N]");
 #if defined(PAGELLM_AMX)
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* bp = packed.data_ptr<c10::BFloat16>();
-  const auto* bi = has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  auto* yp = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, packed.size(0), 4, [&](int64_t nc0, int64_t nc1) {
-    columns(xp, x.stride(0), bp, packed.size(1), M, N, nc0, nc1, bi, yp, out.stride(0));
+  const auto* xp = x.data_ptr<bf16>();
+  const auto* bp = packed.data_ptr<bf16>();
+  const auto* bi = has_bias ? bias->data_ptr<bf16>() : nullptr;
+  auto* yp = out.data_ptr<bf16>();
+  const int64_t blocks = (packed.size(0) + 1) / 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t nb0, int64_t nb1) {
+    columns(xp, x.stride(0), M, bp, packed.size(1), N, nb0, nb1, bi, yp, out.stride(0));
   });
 #endif
 }

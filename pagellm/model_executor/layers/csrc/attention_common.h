@@ -30,9 +30,15 @@ inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
 // p[lo..hi) = exp(s - max) / sum, in place; returns nothing (normalised probabilities).
 inline void softmax_range(float* s, int64_t lo, int64_t hi) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = lo; i < hi; ++i) m = std::max(m, s[i]);
-  float sum = 0.f;
   int64_t i = lo;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(m);
+  for (; i + 16 <= hi; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  m = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < hi; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+  i = lo;
 #if defined(__AVX512F__)
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
@@ -64,21 +70,30 @@ inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
 
 // Scores of up to 16 tokens (lanes in mask m, from token t0 of the block) for NV query vectors q [NV][D]:
 // s[v * ns + t0 + lane]. A accumulators per vector (independent FMA chains hide the latency).
+// pk, pv (optional): cache lines to prefetch alongside, one of each per word row: the next block's keys at the
+// same tokens (row stride B words) and this tile's values (contiguous). Spread through the FMAs, the prefetches
+// never queue up behind each other (a burst of them stalls the core once the fill buffers are full).
 template <int NV, typename T>
 inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
-                       int64_t ns) {
+                       int64_t ns, const char* pk = nullptr, const char* pv = nullptr) {
   constexpr int x = pack_x<T>();
   constexpr int A = NV <= 4 ? 4 : 2;
   const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
   __m512 acc[A][NV];
+  PAGELLM_UNROLL
   for (int a = 0; a < A; ++a)
+    PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) acc[a][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < D / x; j += A / 2) {  // A / 2 word rows per step (D / x is a multiple of 2)
+    PAGELLM_UNROLL
     for (int u = 0; u < A / 2; ++u) {
+      if (pk) _mm_prefetch(pk + (j + u) * B * 4, _MM_HINT_T0);
+      if (pv) _mm_prefetch(pv + (j + u) * 64, _MM_HINT_T0);
       const __m512i word = _mm512_maskz_loadu_epi32(m, w + (j + u) * B);
       if constexpr (x == 2) {
         __m512 lo, hi;
         split(word, lo, hi, kb);
+        PAGELLM_UNROLL
         for (int v = 0; v < NV; ++v) {
           const float* qv = q + v * D + 2 * (j + u);
           acc[2 * u][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[0]), lo, acc[2 * u][v]);
@@ -86,13 +101,16 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
         }
       } else {
         const __m512 kv = _mm512_castsi512_ps(word);
+        PAGELLM_UNROLL
         for (int v = 0; v < NV; ++v)
           acc[2 * u][v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v * D + j + u]), kv, acc[2 * u][v]);
       }
     }
   }
+  PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v) {
     __m512 r = acc[0][v];
+    PAGELLM_UNROLL
     for (int a = 1; a < A; ++a) r = _mm512_add_ps(r, acc[a][v]);
     _mm512_mask_storeu_ps(s + v * ns + t0, m, r);
   }
@@ -102,9 +120,11 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
 template <int NV, int C, typename T>
 inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
                     __m512 (&acc)[NV][C]) {
+  PAGELLM_UNROLL
   for (int c = 0; c < C; ++c) {
     __m512 a, b;
     split(_mm512_loadu_si512(row + 16 * c), a, b, static_cast<const T*>(nullptr));
+    PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) {
       if (first) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns]), a, acc[v][c]);
       if (second) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns + 1]), b, acc[v][c]);
@@ -126,17 +146,15 @@ inline void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_
     if (2 * i < hi) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
   } else {
     for (int64_t t = lo; t < hi; ++t)
+      PAGELLM_UNROLL
       for (int c = 0; c < C; ++c) {
         const __m512 val = _mm512_castsi512_ps(_mm512_loadu_si512(w + t * D + 16 * c));
+        PAGELLM_UNROLL
         for (int v = 0; v < NV; ++v) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns + t]), val, acc[v][c]);
       }
   }
 }
 
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
 #endif
 
 }  // namespace pagellm

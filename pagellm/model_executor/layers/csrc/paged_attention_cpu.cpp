@@ -103,17 +103,20 @@ void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, 
 }
 
 #if defined(__AVX512F__)
+// Scores of nv vectors for one 16-token tile; the first pass over the keys also prefetches pk / pv (score_tile).
 template <int C, typename T, int NV = 8>
 inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, __mmask16 m, float* S, int64_t ns,
-                       int64_t nv) {
+                       int64_t nv, const char* pk, const char* pv) {
   if constexpr (NV > 0) {
     if (nv >= NV) {
       for (int64_t v = 0; v + NV <= nv; v += NV)
-        score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns);
+        score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns, v ? nullptr : pk,
+                          v ? nullptr : pv);
       const int64_t done = nv - nv % NV;
-      if (nv % NV) scores_for<C, T, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV);
+      if (nv % NV)
+        scores_for<C, T, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV, nullptr, nullptr);
     } else {
-      scores_for<C, T, NV - 1>(a, qf, kb, t0, m, S, ns, nv);
+      scores_for<C, T, NV - 1>(a, qf, kb, t0, m, S, ns, nv, pk, pv);
     }
   }
 }
@@ -123,14 +126,18 @@ template <int NV, int C, typename T>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
                        float* of) {
   __m512 acc[NV][C];
+  PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
+    PAGELLM_UNROLL
     for (int c = 0; c < C; ++c) acc[v][c] = _mm512_setzero_ps();
   for (int64_t b = s.b0; b <= s.b1; ++b) {
     const T* vb = vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
     pv_block<NV, C, T>(S + v0 * s.ns + (b - s.b0) * a.B, s.ns, vb, lo, hi, acc);
   }
+  PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
+    PAGELLM_UNROLL
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c, acc[v][c]);
 }
 
@@ -148,15 +155,16 @@ template <int C, typename T>
 void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, B = a.B;
-  const int64_t bytes = B * 16 * C * sizeof(T);
   for (int64_t b = s.b0; b <= s.b1; ++b) {
     const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + t.h * a.k_sh;
     // Pull the next block's keys and this block's values towards the core while the FMAs run.
-    if (b < s.b1) prefetch(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + t.h * a.k_sh, bytes);
-    prefetch(vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh, bytes);
+    const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + t.h * a.k_sh)
+                              : nullptr;
+    const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh);
     for (int64_t t0 = 0; t0 < B; t0 += 16) {
       const int64_t w = std::min<int64_t>(16, B - t0);
-      scores_for<C, T>(a, qf, kb, t0, static_cast<__mmask16>((1u << w) - 1), S + (b - s.b0) * B, s.ns, nv);
+      scores_for<C, T>(a, qf, kb, t0, static_cast<__mmask16>((1u << w) - 1), S + (b - s.b0) * B, s.ns, nv,
+                       kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
     }
   }
   softmax_rows(a, t, s, S);

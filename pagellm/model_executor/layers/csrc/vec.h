@@ -15,6 +15,16 @@
 #include <immintrin.h>
 #endif
 
+// Fully unroll a loop over a compile-time count, so arrays of vector accumulators indexed by its variable live
+// in registers (without it GCC may keep them on the stack: a store and a reload around every FMA).
+#if defined(__clang__)
+#define PAGELLM_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define PAGELLM_UNROLL _Pragma("GCC unroll 16")
+#else
+#define PAGELLM_UNROLL
+#endif
+
 namespace pagellm {
 
 inline float to_float(float x) { return x; }

@@ -67,6 +67,7 @@ def linears(ops) -> None:
 def attention() -> None:
     for name, q_lens, ctx in [("64 decodes x 362", [1] * 64, [362] * 64),
                               ("4 chunks of 16 after 500", [16] * 4, [516] * 4),
+                              ("4 chunks of 32 after 500", [32] * 4, [532] * 4),
                               ("4 chunks of 64 after 500", [64] * 4, [564] * 4)]:
         fs = {}
         for cls in (TorchPagedAttention, CPUPagedAttention):

@@ -142,3 +142,23 @@ def test_long_prefill_chunks_match_dense(backend_cls, dtype, window, heads, kv_h
     ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)], ids=["d64", "d128", "d32"])
+def test_amx_prefill_kernel_matches_dense(block_size, window, heads, kv_heads, dim):
+    # bf16 chunks past the FMA kernel's 32 rows go to the AMX kernel: a whole prompt, a chunk after a long cached
+    # prefix that ends mid-block (stale NaN slots after it), chunks not a multiple of 16 rows, beside decode rows
+    from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+
+    backend = CPUPagedAttention(kv_heads, dim, block_size)
+    if not backend.amx_prefill:
+        pytest.skip("CPU without AMX")
+    q_lens = [200, 1, 45, 1, 33, 77]
+    ctx_lens = [200, 300, 345, 9, 70, 1077]
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, torch.bfloat16, heads,
+                                                   kv_heads, dim, seed=11)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2), (out.double() - ref).abs().max()

@@ -114,6 +114,19 @@ def test_request_that_exceeds_the_whole_pool_is_rejected(gguf_path):
     assert small.llm_engine.stats.kv_cache_bytes == 4 * 737280
 
 
+def test_bf16_long_prompt_in_chunks_matches_one_chunk(gguf_path):
+    # bf16 runs the CPU kernels: a prompt longer than the token budget is prefilled in chunks, the first of which
+    # sample nothing (an LM head over zero rows) and attend through the AMX prefill kernel after a cached context
+    prompt = {"prompt_token_ids": [(i * 37) % 4000 + 100 for i in range(300)]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for budget in (64, 2048):
+        llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=budget)
+        outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert pool_is_whole(llm)
+    assert len(outs[0]) == 8 and outs[0] == outs[1]
+
+
 def test_cli_generate_and_bench(gguf_path, tmp_path):
     run = lambda *args: subprocess.run([sys.executable, "-m", "pagellm", *args], capture_output=True, text=True,  # noqa
                                        timeout=600)

@@ -3,9 +3,10 @@
 The cache uses the kernel's own layout (x = 4 bytes / element size, so 2 for bf16 and 1 for fp32):
 K [num_blocks, kv_heads, head_dim/x, block_size, x], V [num_blocks, kv_heads, block_size/x, head_dim, x].
 One kernel call per layer serves every decode row and short chunk of the step (as speculative decoding will
-produce), reading K/V in place from the blocks. Long prefill chunks go to SDPA's flash kernel on their own or
-gathered context, which is faster there. The backend also carries the fused element-wise ops (``ops``) the
-model uses on CPU.
+produce), reading K/V in place from the blocks. Longer prefill chunks go, in bf16 on a CPU with AMX, to the AMX
+kernel of ``csrc/prefill_attention_amx.cpp`` (also in place; one call per layer), else to SDPA's flash kernel on
+their own or gathered context. The backend also carries the fused element-wise ops (``ops``) the model uses on
+CPU.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class CPUPagedAttention(TorchPagedAttention):
             raise ValueError(f"block_size must be even for the CPU kernels, got {block_size}")
         self.ops = load_extension()
         self._views: dict = {}
+        # bf16 prefill chunks on AMX tiles straight from the blocks (csrc/prefill_attention_amx.cpp), else SDPA
+        self.amx_prefill = bool(self.ops.prefill_attention_amx_supported(head_dim, block_size))
 
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (kv_cache.data_ptr(), kv_cache.shape)
@@ -51,13 +54,20 @@ class CPUPagedAttention(TorchPagedAttention):
         return k, v
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
-        """Decode rows and short chunks (up to KERNEL_MAX_QUERY rows) in one kernel call, K/V read in place; long
-        prefill chunks through SDPA's flash kernel (AMX matmuls), one call each."""
+        """Decode rows and short chunks (up to KERNEL_MAX_QUERY rows) in one kernel call, K/V read in place; longer
+        prefill chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call
+        each."""
         kc, vc = self.views(kv_cache)
         self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                                  sliding_window or 0, KERNEL_MAX_QUERY)
+        if not meta.prefill_rows:
+            return out
+        if self.amx_prefill and q.dtype == torch.bfloat16:
+            self.ops.prefill_attention_amx(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+                                           scale, sliding_window or 0, KERNEL_MAX_QUERY)
+            return out
         for r in meta.prefill_rows:
             q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
             if qlen > KERNEL_MAX_QUERY:

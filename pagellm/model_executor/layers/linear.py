@@ -76,7 +76,7 @@ class CPULinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if x.dim() == 2 and x.stride(-1) == 1:
+        if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
             if self.amx is not None and rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 self.amx(x, self.amx_weight, self.bias, out)

@@ -51,10 +51,14 @@ struct alignas(64) TileConfig {
 };
 
 // Every tile is 16 rows x 64 bytes: C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
+// (A static object: GCC may drop stores to a stack copy that only ldtilecfg reads; see prefill_attention_amx.cpp.)
 void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  _tile_loadconfig(&config);
 }
 
 // One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32.

@@ -1,0 +1,283 @@
+// Prefill attention on AMX tiles, reading K/V in place from the paged cache (bf16; layout in
+// paged_attention_cpu.cpp). It takes the requests whose chunk is longer than the FMA kernel's (> min_query_len
+// rows); SDPA's CPU flash kernel did these at 250-300 GFLOP/s here.
+//
+// The cache layout is already what AMX multiplies: a block's keys of one kv head are [D/2 word rows][B tokens]
+// words, i.e. for 16 tokens and 32 dims one B tile (16 rows of 64 bytes, row stride B words), read in place.
+// Its values are [B/2 token pairs][D dims] words; copied end to end for the task's blocks (a few KiB per block),
+// 32 keys and 16 dims of them are one B tile even across blocks.
+// A task is (request, kv head, up to 16 query rows). For each of the G query heads sharing the kv head:
+//   1. scores S [16 rows][keys] = Q K^T, 16 x 16 fp32 tiles (Q in tiles 0..D/32-1, two key tiles in flight);
+//   2. a causal (and sliding-window) softmax per row in fp32, written as bf16 probabilities P with exact zeros
+//      outside each row's keys (as SDPA's flash kernel, the probabilities meet the values in bf16);
+//   3. O [16][D] = P V, accumulated in tiles 0..3 (64 dims per pass), 32 keys per multiply.
+// All of a task's keys are scored before the softmax (no running rescale), so the scratch holds 16 rows of
+// scores for the chunk's whole context (16 x 8192 x 6 bytes for an 8k context) and its values.
+// Slots past the context (never written, so possibly stale or NaN) would poison P V even with P = 0, so the
+// copied values are zeroed there; the keys' stale slots only give scores that the softmax never reads.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGELLM_AMX 1
+#endif
+
+#include "vec.h"
+
+namespace {
+using namespace pagellm;
+using bf16 = c10::BFloat16;
+
+#if defined(PAGELLM_AMX)
+constexpr int64_t kRows = 16;
+
+bool request_amx() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. Scores: Q chunks 0-3, K 5-6, S 4 and 7 (two 16-key tiles in flight).
+// Values: O 0-3, P 4, V 5-6.
+// (A static object: built on the stack and inlined, GCC dropped the stores ldtilecfg reads and left all tiles
+// unconfigured, so the first tile load faulted.)
+void configure() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+// The index of a tile in an AMX instruction is an immediate: these dispatch a runtime index 0-3.
+#define PAGELLM_TILE_CASES(OP) \
+  switch (c) {                 \
+    case 0: OP(0); break;      \
+    case 1: OP(1); break;      \
+    case 2: OP(2); break;      \
+    default: OP(3); break;     \
+  }
+
+struct Args {
+  int64_t H, Hkv, G, D, B, MB;
+  int64_t q_s0, q_s1, o_s0, o_s1, k_sb, k_sh, v_sb, v_sh;
+  const int64_t *bt, *seq, *qs;
+  float scale;
+  int64_t window;
+};
+
+struct Task {
+  int64_t r, h, i0, rows, cost;  // request, kv head, first query row of the request's chunk, rows (<= 16)
+};
+
+struct Scratch {
+  std::vector<float> S;  // [16][np]: one query head's scores
+  std::vector<bf16> P;   // [16][np]
+  std::vector<bf16> V;   // [np / 2][D][2]: the task's values, blocks end to end, slots past the context zeroed
+  std::vector<bf16> q;   // [16][D], rows past the task's zero
+  alignas(64) float o[kRows * 128];
+};
+
+// p[0, np) = softmax over [lo, hi) of s * scale as bf16, zero elsewhere.
+void softmax_row(float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, float scale) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = lo;
+  __m512 vmax = _mm512_set1_ps(m);
+  for (; j + 16 <= hi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+  m = _mm512_reduce_max_ps(vmax);
+  for (; j < hi; ++j) m = std::max(m, s[j]);
+  m *= scale;  // scale > 0
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (j = lo; j + 16 <= hi; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vs), vm));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; j < hi; ++j) sum += (s[j] = std::exp(s[j] * scale - m));
+  const __m512 vi = _mm512_set1_ps(1.f / sum);
+  std::memset(p, 0, lo * sizeof(bf16));
+  for (j = lo; j + 16 <= hi; j += 16) store16(p + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), vi));
+  for (; j < hi; ++j) p[j] = bf16(s[j] / sum);
+  std::memset(p + hi, 0, (np - hi) * sizeof(bf16));
+}
+
+void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, const bf16* vc, bf16* op, Scratch& w) {
+  const int64_t B = a.B, D = a.D, L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
+  const int64_t p0 = L - qlen + t.i0, khi = p0 + t.rows;
+  const int64_t klo = a.window > 0 ? std::max<int64_t>(0, p0 - a.window + 1) : 0;
+  const int64_t b0 = klo / B, b1 = (khi - 1) / B, base = b0 * B;
+  const int64_t n = (b1 - b0 + 1) * B, np = (n + 31) / 32 * 32;  // keys held, padded to whole 32-key steps
+  const int64_t* bt = a.bt + t.r * a.MB;
+  w.S.resize(kRows * np);
+  w.P.resize(kRows * np);
+  w.V.resize(np * D);
+  w.q.assign(kRows * D, bf16(0.f));
+  // Values end to end, so a 32-key step (16 token pairs) is one B tile even across blocks.
+  for (int64_t b = b0; b <= b1; ++b)
+    std::memcpy(w.V.data() + (b - b0) * B * D, vc + bt[b] * a.v_sb + t.h * a.v_sh, B * D * sizeof(bf16));
+  for (int64_t tok = std::min(L, b1 * B + B) - base; tok < np; ++tok)  // slots past the context, and padding
+    for (int64_t d = 0; d < D; ++d) w.V[(tok / 2) * D * 2 + d * 2 + tok % 2] = bf16(0.f);
+  const int64_t row0 = a.qs[t.r] + t.i0, tiles = n / 16, qc = D / 32;
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t head = t.h * a.G + g;
+    for (int64_t i = 0; i < t.rows; ++i)
+      std::memcpy(w.q.data() + i * D, qp + (row0 + i) * a.q_s0 + head * a.q_s1, D * sizeof(bf16));
+    // 1. scores, two 16-key tiles at a time
+#define PAGELLM_LOAD_Q(T) _tile_loadd(T, w.q.data() + (T) * 32, D * 2)
+    for (int64_t c = 0; c < qc; ++c) PAGELLM_TILE_CASES(PAGELLM_LOAD_Q)
+#undef PAGELLM_LOAD_Q
+    for (int64_t k = 0; k < tiles; k += 2) {
+      const bool two = k + 1 < tiles;
+      const int64_t ka = (k * 16) / B, ta = (k * 16) % B, kb_ = ((k + 1) * 16) / B, tb = ((k + 1) * 16) % B;
+      const bf16* kA = kc + bt[b0 + ka] * a.k_sb + t.h * a.k_sh + ta * 2;
+      const bf16* kB = two ? kc + bt[b0 + kb_] * a.k_sb + t.h * a.k_sh + tb * 2 : kA;
+      _tile_zero(7);
+      if (two) _tile_zero(4);
+      for (int64_t c = 0; c < qc; ++c) {
+        _tile_loadd(6, kA + c * 16 * B * 2, B * 4);
+        if (two) _tile_loadd(5, kB + c * 16 * B * 2, B * 4);
+#define PAGELLM_QK(T)               \
+  _tile_dpbf16ps(7, T, 6);          \
+  if (two) _tile_dpbf16ps(4, T, 5);
+        PAGELLM_TILE_CASES(PAGELLM_QK)
+#undef PAGELLM_QK
+      }
+      _tile_stored(7, w.S.data() + k * 16, np * 4);
+      if (two) _tile_stored(4, w.S.data() + (k + 1) * 16, np * 4);
+    }
+    // 2. softmax per row over its own keys
+    for (int64_t i = 0; i < kRows; ++i) {
+      bf16* p = w.P.data() + i * np;
+      if (i >= t.rows) {
+        std::memset(p, 0, np * sizeof(bf16));
+        continue;
+      }
+      const int64_t pos = p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+      softmax_row(w.S.data() + i * np, p, np, lo - base, pos + 1 - base, a.scale);
+    }
+    // 3. values, 64 dims per pass, 32 keys per multiply
+    for (int64_t dg = 0; dg < D; dg += 64) {
+      const int64_t nd = std::min<int64_t>(4, (D - dg) / 16);
+#define PAGELLM_ZERO(T) _tile_zero(T)
+      for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_ZERO)
+#undef PAGELLM_ZERO
+      for (int64_t k = 0; k < np; k += 32) {
+        _tile_loadd(4, w.P.data() + k, np * 2);
+        const bf16* vk = w.V.data() + (k / 2) * D * 2 + dg * 2;
+#define PAGELLM_PV(T)                                 \
+  if ((T) % 2) {                                      \
+    _tile_loadd(5, vk + (T) * 32, D * 4);             \
+    _tile_dpbf16ps(T, 4, 5);                          \
+  } else {                                            \
+    _tile_loadd(6, vk + (T) * 32, D * 4);             \
+    _tile_dpbf16ps(T, 4, 6);                          \
+  }
+        for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_PV)
+#undef PAGELLM_PV
+      }
+#define PAGELLM_STORE_O(T) _tile_stored(T, w.o + dg + (T) * 16, D * 4)
+      for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_STORE_O)
+#undef PAGELLM_STORE_O
+    }
+    for (int64_t i = 0; i < t.rows; ++i) {
+      bf16* o = op + (row0 + i) * a.o_s0 + head * a.o_s1;
+      for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_loadu_ps(w.o + i * D + d));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// True when this build and CPU can run the kernel for this head_dim and block size.
+bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size) {
+#if defined(PAGELLM_AMX)
+  return request_amx() && head_dim % 32 == 0 && head_dim <= 128 && block_size % 16 == 0;
+#else
+  (void)head_dim, (void)block_size;
+  return false;
+#endif
+}
+
+// Attention for the rows of every request with more than min_query_len query rows (others are left untouched).
+// q [T, H, D], caches in the paged layout, block_tables [R, MB], seq_lens [R], query_start [R + 1]; bf16.
+void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           at::Tensor out, double scale, int64_t window, int64_t min_query_len) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
+              "q/out: [T, H, D], last dim contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(4) == 2 && v_cache.size(4) == 2,
+              "caches: the paged layout [NB, Hkv, ., ., 2]");
+  const int64_t D = q.size(2), B = v_cache.size(2) * 2;
+  TORCH_CHECK(k_cache.size(2) * 2 == D && k_cache.size(3) == B && v_cache.size(3) == D && k_cache.stride(3) == 2 &&
+              k_cache.stride(2) == B * 2 && v_cache.stride(3) == 2 && v_cache.stride(2) == D * 2,
+              "each (block, head) of the cache must be contiguous");
+  TORCH_CHECK(prefill_attention_amx_supported(D, B), "prefill_attention_amx: needs AMX, head_dim % 32 == 0 "
+              "(at most 128) and block_size % 16 == 0; got head_dim ", D, ", block_size ", B);
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+#if defined(PAGELLM_AMX)
+  Args a;
+  a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = D, a.B = B, a.MB = block_tables.size(1);
+  a.q_s0 = q.stride(0), a.q_s1 = q.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
+  a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
+  a.bt = block_tables.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale), a.window = window;
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < seq_lens.size(0); ++r) {
+    const int64_t qlen = a.qs[r + 1] - a.qs[r];
+    TORCH_CHECK(qlen >= 0 && qlen <= a.seq[r], "request ", r, ": ", qlen, " query rows for a context of ", a.seq[r]);
+    if (qlen <= min_query_len) continue;
+    for (int64_t i0 = 0; i0 < qlen; i0 += kRows)
+      for (int64_t h = 0; h < a.Hkv; ++h)
+        tasks.push_back({r, h, i0, std::min(kRows, qlen - i0), a.seq[r] - qlen + i0 + kRows});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  const auto* qp = q.data_ptr<bf16>();
+  const auto* kc = k_cache.data_ptr<bf16>();
+  const auto* vc = v_cache.data_ptr<bf16>();
+  auto* op = out.data_ptr<bf16>();
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    configure();
+    Scratch w;
+    for (int64_t i = next++; i < n; i = next++) run_task(a, tasks[i], qp, kc, vc, op, w);
+    _tile_release();
+  });
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("prefill_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start, Tensor(a!) out, float scale, int window, int min_query_len) -> ()");
+  m.impl("prefill_attention_amx", c10::DispatchKey::CPU, &prefill_attention_amx);
+  m.def("prefill_attention_amx_supported(int head_dim, int block_size) -> bool",
+        [](int64_t d, int64_t b) { return prefill_attention_amx_supported(d, b); });
+}

@@ -75,6 +75,21 @@ def attention() -> None:
             args = make_case(be, q_lens, ctx, 16, torch.bfloat16, 9, 3, 64)[:5]
             fs[cls.__name__] = lambda be=be, args=args: be.forward(*args, 0.125, None)
         emit(bench="attention layer, ms", case=name, **best_ms(fs, rounds=5))
+    # prefill chunks: the CPU backend's AMX kernel against its SDPA fallback (the same backend, one flag)
+    for name, q_lens, ctx in [("4 prompts of 300", [300] * 4, [300] * 4),
+                              ("2 prompts of 512", [512] * 2, [512] * 2),
+                              ("a 512-row chunk after 6488", [512], [7000]),
+                              ("a 2048-row chunk after 4952", [2048], [7000])]:
+        be = CPUPagedAttention(3, 64, 16)
+        if not be.amx_prefill:
+            return
+        args = make_case(be, q_lens, ctx, 16, torch.bfloat16, 9, 3, 64)[:5]
+
+        def run(amx, be=be, args=args):
+            be.amx_prefill = amx
+            be.forward(*args, 0.125, None)
+        emit(bench="prefill attention layer, ms", case=name,
+             **best_ms({"amx": lambda: run(True), "sdpa": lambda: run(False)}, rounds=5))
 
 
 def argmax(ops) -> None:

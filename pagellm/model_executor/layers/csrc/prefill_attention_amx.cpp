@@ -6,15 +6,20 @@
 // words, i.e. for 16 tokens and 32 dims one B tile (16 rows of 64 bytes, row stride B words), read in place.
 // Its values are [B/2 token pairs][D dims] words; copied end to end for the task's blocks (a few KiB per block),
 // 32 keys and 16 dims of them are one B tile even across blocks.
-// A task is (request, kv head, up to 16 query rows). For each of the G query heads sharing the kv head:
-//   1. scores S [16 rows][keys] = Q K^T, 16 x 16 fp32 tiles (Q in tiles 0..D/32-1, two key tiles in flight);
-//   2. a causal (and sliding-window) softmax per row in fp32, written as bf16 probabilities P with exact zeros
-//      outside each row's keys (as SDPA's flash kernel, the probabilities meet the values in bf16);
-//   3. O [16][D] = P V, accumulated in tiles 0..3 (64 dims per pass), 32 keys per multiply.
-// All of a task's keys are scored before the softmax (no running rescale), so the scratch holds 16 rows of
-// scores for the chunk's whole context (16 x 8192 x 6 bytes for an 8k context) and its values.
+// A task is (request, kv head, up to 32 query rows: two 16-row tiles that share every key tile they load), and
+// walks its keys in passes of 512 (flash-style, so a pass's scores, probabilities and values stay in L2). In a
+// pass, for each of the G query heads sharing the kv head:
+//   1. scores S [32 rows][keys] = Q K^T, 16 x 16 fp32 tiles, 2 row tiles x 2 key tiles at a time;
+//   2. the pass of each row's online softmax (running max and sum, causal and sliding-window bounds), in fp32,
+//      written as bf16 P = exp(score - running max), exact zeros outside the row's keys (as in SDPA's flash
+//      kernel, the probabilities meet the values in bf16);
+//   3. O = alpha O + P V: 16 rows x 64 dims in tiles 0-3 per tile pass, 32 keys per multiply; alpha rescales
+//      the running output when the row's maximum grew.
 // Slots past the context (never written, so possibly stale or NaN) would poison P V even with P = 0, so the
 // copied values are zeroed there; the keys' stale slots only give scores that the softmax never reads.
+// ``python bench/kernels.py`` (bf16, 2 cores, medians): 4 prompts of 300, 2 of 512, a 512- and a 2048-row chunk
+// after ~5-6.5k tokens take 2.7, 3.1, 24.0, 93.6 ms against SDPA's 4.2, 3.6, 25.3, 113.1 ms. The exponentials of
+// the softmax, not the tile multiplies, bound it (as they bound SDPA).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,7 +44,7 @@ using namespace pagellm;
 using bf16 = c10::BFloat16;
 
 #if defined(PAGELLM_AMX)
-constexpr int64_t kRows = 16;
+constexpr int64_t kRows = 32;  // query rows per task: two 16-row tiles share each key tile they load
 
 bool request_amx() {
   static const bool ok = [] {
@@ -57,8 +62,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows x 64 bytes. Scores: Q chunks 0-3, K 5-6, S 4 and 7 (two 16-key tiles in flight).
-// Values: O 0-3, P 4, V 5-6.
+// Every tile 16 rows x 64 bytes. Scores: Q (the two row tiles' same 32 dims) 0-1, K 5-6 (two 16-key tiles),
+// S 2-3 and 4, 7 (2 x 2 in flight). Values: O 0-3, P 4, V 5-6.
 // (A static object: built on the stack and inlined, GCC dropped the stores ldtilecfg reads and left all tiles
 // unconfigured, so the first tile load faulted.)
 void configure() {
@@ -91,122 +96,172 @@ struct Task {
   int64_t r, h, i0, rows, cost;  // request, kv head, first query row of the request's chunk, rows (<= 16)
 };
 
+constexpr int64_t kKeyChunk = 512;  // keys per pass: a pass's scores, probabilities and values stay in L2
+
 struct Scratch {
-  std::vector<float> S;  // [16][np]: one query head's scores
-  std::vector<bf16> P;   // [16][np]
-  std::vector<bf16> V;   // [np / 2][D][2]: the task's values, blocks end to end, slots past the context zeroed
-  std::vector<bf16> q;   // [16][D], rows past the task's zero
-  alignas(64) float o[kRows * 128];
+  std::vector<float> S;                       // [32][chunk]: one query head's scores for the pass
+  std::vector<bf16> P;                        // [32][chunk]: exp(score - running row max), unnormalised
+  std::vector<bf16> V;                        // [chunk / 2][D][2]: the pass's values end to end, slots past the
+                                              // context and padding zeroed
+  std::vector<bf16> q;                        // [32][D], rows past the task's zero
+  std::vector<float> O;                       // [G][32][D] running outputs (unnormalised)
+  std::vector<float> m, l;                    // [G][32] running row max and sum
+  float alpha[kRows];                         // this pass's rescale of each row's running output
+  alignas(64) float o[16 * 128];
 };
 
-// p[0, np) = softmax over [lo, hi) of s * scale as bf16, zero elsewhere.
-void softmax_row(float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, float scale) {
-  float m = -std::numeric_limits<float>::infinity();
+// One pass of a row's online softmax: p[0, np) = exp(s * scale - m') over [lo, hi) as bf16, zero elsewhere, where
+// m' = max(m, the pass's scores); l = l * alpha + the sum of those (rounded) terms; returns alpha = exp(m - m'),
+// the factor the row's running output is rescaled by. An empty range leaves m, l as they are (alpha 1).
+float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, float scale, float& m, float& l) {
+  if (lo >= hi) {
+    std::memset(p, 0, np * sizeof(bf16));
+    return 1.f;
+  }
+  float cm = -std::numeric_limits<float>::infinity();
   int64_t j = lo;
-  __m512 vmax = _mm512_set1_ps(m);
+  __m512 vmax = _mm512_set1_ps(cm);
   for (; j + 16 <= hi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  m = _mm512_reduce_max_ps(vmax);
-  for (; j < hi; ++j) m = std::max(m, s[j]);
-  m *= scale;  // scale > 0
-  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
+  cm = _mm512_reduce_max_ps(vmax);
+  for (; j < hi; ++j) cm = std::max(cm, s[j]);
+  const float mn = std::max(m, cm * scale);  // scale > 0
+  const float alpha = std::exp(m - mn);      // m = -inf on the first pass: 0
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(mn);
   __m512 acc = _mm512_setzero_ps();
+  std::memset(p, 0, lo * sizeof(bf16));
   for (j = lo; j + 16 <= hi; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vs), vm));
-    _mm512_storeu_ps(s + j, e);
+    const __m512 e = round_to(exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vs), vm)), p);
+    store16(p + j, e);
     acc = _mm512_add_ps(acc, e);
   }
   float sum = _mm512_reduce_add_ps(acc);
-  for (; j < hi; ++j) sum += (s[j] = std::exp(s[j] * scale - m));
-  const __m512 vi = _mm512_set1_ps(1.f / sum);
-  std::memset(p, 0, lo * sizeof(bf16));
-  for (j = lo; j + 16 <= hi; j += 16) store16(p + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), vi));
-  for (; j < hi; ++j) p[j] = bf16(s[j] / sum);
+  for (; j < hi; ++j) {
+    p[j] = bf16(std::exp(s[j] * scale - mn));
+    sum += static_cast<float>(p[j]);
+  }
   std::memset(p + hi, 0, (np - hi) * sizeof(bf16));
+  m = mn;
+  l = l * alpha + sum;
+  return alpha;
 }
 
 void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, const bf16* vc, bf16* op, Scratch& w) {
-  const int64_t B = a.B, D = a.D, L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
+  const int64_t B = a.B, D = a.D, G = a.G, L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
   const int64_t p0 = L - qlen + t.i0, khi = p0 + t.rows;
   const int64_t klo = a.window > 0 ? std::max<int64_t>(0, p0 - a.window + 1) : 0;
   const int64_t b0 = klo / B, b1 = (khi - 1) / B, base = b0 * B;
-  const int64_t n = (b1 - b0 + 1) * B, np = (n + 31) / 32 * 32;  // keys held, padded to whole 32-key steps
+  const int64_t n = (b1 - b0 + 1) * B;  // keys from base, in whole blocks
   const int64_t* bt = a.bt + t.r * a.MB;
-  w.S.resize(kRows * np);
-  w.P.resize(kRows * np);
-  w.V.resize(np * D);
-  w.q.assign(kRows * D, bf16(0.f));
-  // Values end to end, so a 32-key step (16 token pairs) is one B tile even across blocks.
-  for (int64_t b = b0; b <= b1; ++b)
-    std::memcpy(w.V.data() + (b - b0) * B * D, vc + bt[b] * a.v_sb + t.h * a.v_sh, B * D * sizeof(bf16));
-  for (int64_t tok = std::min(L, b1 * B + B) - base; tok < np; ++tok)  // slots past the context, and padding
-    for (int64_t d = 0; d < D; ++d) w.V[(tok / 2) * D * 2 + d * 2 + tok % 2] = bf16(0.f);
-  const int64_t row0 = a.qs[t.r] + t.i0, tiles = n / 16, qc = D / 32;
-  for (int64_t g = 0; g < a.G; ++g) {
-    const int64_t head = t.h * a.G + g;
+  const int64_t row0 = a.qs[t.r] + t.i0, qc = D / 32;
+  w.S.resize(kRows * kKeyChunk);
+  w.P.resize(kRows * kKeyChunk);
+  w.V.resize(kKeyChunk * D);
+  w.q.resize(G * kRows * D);
+  std::fill(w.q.begin(), w.q.end(), bf16(0.f));
+  for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < t.rows; ++i)
-      std::memcpy(w.q.data() + i * D, qp + (row0 + i) * a.q_s0 + head * a.q_s1, D * sizeof(bf16));
-    // 1. scores, two 16-key tiles at a time
-#define PAGELLM_LOAD_Q(T) _tile_loadd(T, w.q.data() + (T) * 32, D * 2)
-    for (int64_t c = 0; c < qc; ++c) PAGELLM_TILE_CASES(PAGELLM_LOAD_Q)
-#undef PAGELLM_LOAD_Q
-    for (int64_t k = 0; k < tiles; k += 2) {
-      const bool two = k + 1 < tiles;
-      const int64_t ka = (k * 16) / B, ta = (k * 16) % B, kb_ = ((k + 1) * 16) / B, tb = ((k + 1) * 16) % B;
-      const bf16* kA = kc + bt[b0 + ka] * a.k_sb + t.h * a.k_sh + ta * 2;
-      const bf16* kB = two ? kc + bt[b0 + kb_] * a.k_sb + t.h * a.k_sh + tb * 2 : kA;
-      _tile_zero(7);
-      if (two) _tile_zero(4);
-      for (int64_t c = 0; c < qc; ++c) {
-        _tile_loadd(6, kA + c * 16 * B * 2, B * 4);
-        if (two) _tile_loadd(5, kB + c * 16 * B * 2, B * 4);
-#define PAGELLM_QK(T)               \
-  _tile_dpbf16ps(7, T, 6);          \
-  if (two) _tile_dpbf16ps(4, T, 5);
-        PAGELLM_TILE_CASES(PAGELLM_QK)
-#undef PAGELLM_QK
+      std::memcpy(w.q.data() + (g * kRows + i) * D, qp + (row0 + i) * a.q_s0 + (t.h * G + g) * a.q_s1,
+                  D * sizeof(bf16));
+  w.O.assign(G * kRows * D, 0.f);
+  w.m.assign(G * kRows, -std::numeric_limits<float>::infinity());
+  w.l.assign(G * kRows, 0.f);
+  for (int64_t c0 = 0; c0 < n; c0 += kKeyChunk) {
+    const int64_t cn = std::min(kKeyChunk, n - c0), cp = (cn + 31) / 32 * 32, tiles = cn / 16;
+    // The pass's values end to end, so 32 keys (16 token pairs) are one B tile even across blocks.
+    for (int64_t b = (base + c0) / B; b < (base + c0 + cn) / B; ++b)
+      std::memcpy(w.V.data() + (b * B - base - c0) * D, vc + bt[b] * a.v_sb + t.h * a.v_sh, B * D * sizeof(bf16));
+    for (int64_t tok = std::max<int64_t>(0, std::min(cn, L - base - c0)); tok < cp; ++tok)  // past the context
+      for (int64_t d = 0; d < D; ++d) w.V[(tok / 2) * D * 2 + d * 2 + tok % 2] = bf16(0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      const bf16* q = w.q.data() + g * kRows * D;
+      // 1. scores: 2 row tiles x 2 key tiles per step, each key tile loaded once for both row tiles
+      for (int64_t k = 0; k < tiles; k += 2) {
+        const bool two = k + 1 < tiles;
+        const int64_t ta = c0 + k * 16, tb = ta + 16;
+        const bf16* kA = kc + bt[b0 + ta / B] * a.k_sb + t.h * a.k_sh + (ta % B) * 2;
+        const bf16* kB = two ? kc + bt[b0 + tb / B] * a.k_sb + t.h * a.k_sh + (tb % B) * 2 : kA;
+        _tile_zero(2);
+        _tile_zero(3);
+        if (two) {
+          _tile_zero(4);
+          _tile_zero(7);
+        }
+        for (int64_t c = 0; c < qc; ++c) {
+          _tile_loadd(0, q + c * 32, D * 2);
+          _tile_loadd(1, q + 16 * D + c * 32, D * 2);
+          _tile_loadd(6, kA + c * 16 * B * 2, B * 4);
+          _tile_dpbf16ps(2, 0, 6);
+          _tile_dpbf16ps(3, 1, 6);
+          if (two) {
+            _tile_loadd(5, kB + c * 16 * B * 2, B * 4);
+            _tile_dpbf16ps(4, 0, 5);
+            _tile_dpbf16ps(7, 1, 5);
+          }
+        }
+        _tile_stored(2, w.S.data() + k * 16, cp * 4);
+        _tile_stored(3, w.S.data() + 16 * cp + k * 16, cp * 4);
+        if (two) {
+          _tile_stored(4, w.S.data() + (k + 1) * 16, cp * 4);
+          _tile_stored(7, w.S.data() + 16 * cp + (k + 1) * 16, cp * 4);
+        }
       }
-      _tile_stored(7, w.S.data() + k * 16, np * 4);
-      if (two) _tile_stored(4, w.S.data() + (k + 1) * 16, np * 4);
-    }
-    // 2. softmax per row over its own keys
-    for (int64_t i = 0; i < kRows; ++i) {
-      bf16* p = w.P.data() + i * np;
-      if (i >= t.rows) {
-        std::memset(p, 0, np * sizeof(bf16));
-        continue;
+      // 2. this pass of each row's softmax, over its own keys within the pass
+      float* m = w.m.data() + g * kRows;
+      float* l = w.l.data() + g * kRows;
+      for (int64_t i = 0; i < kRows; ++i) {
+        bf16* p = w.P.data() + i * cp;
+        if (i >= t.rows) {
+          std::memset(p, 0, cp * sizeof(bf16));
+          continue;
+        }
+        const int64_t pos = p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+        const int64_t from = std::max<int64_t>(lo - base - c0, 0), to = std::min<int64_t>(pos + 1 - base - c0, cn);
+        w.alpha[i] = softmax_pass(w.S.data() + i * cp, p, cp, from, std::max(from, to), a.scale, m[i], l[i]);
       }
-      const int64_t pos = p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-      softmax_row(w.S.data() + i * np, p, np, lo - base, pos + 1 - base, a.scale);
-    }
-    // 3. values, 64 dims per pass, 32 keys per multiply
-    for (int64_t dg = 0; dg < D; dg += 64) {
-      const int64_t nd = std::min<int64_t>(4, (D - dg) / 16);
+      // 3. values: per 16-row half, 64 dims per tile pass, 32 keys per multiply; then O = alpha O + P V
+      float* O = w.O.data() + g * kRows * D;
+      for (int64_t r0 = 0; r0 < t.rows; r0 += 16) {
+        const bf16* ph = w.P.data() + r0 * cp;
+        for (int64_t dg = 0; dg < D; dg += 64) {
+          const int64_t nd = std::min<int64_t>(4, (D - dg) / 16);
 #define PAGELLM_ZERO(T) _tile_zero(T)
-      for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_ZERO)
+          for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_ZERO)
 #undef PAGELLM_ZERO
-      for (int64_t k = 0; k < np; k += 32) {
-        _tile_loadd(4, w.P.data() + k, np * 2);
-        const bf16* vk = w.V.data() + (k / 2) * D * 2 + dg * 2;
-#define PAGELLM_PV(T)                                 \
-  if ((T) % 2) {                                      \
-    _tile_loadd(5, vk + (T) * 32, D * 4);             \
-    _tile_dpbf16ps(T, 4, 5);                          \
-  } else {                                            \
-    _tile_loadd(6, vk + (T) * 32, D * 4);             \
-    _tile_dpbf16ps(T, 4, 6);                          \
+          for (int64_t k = 0; k < cp; k += 32) {
+            _tile_loadd(4, ph + k, cp * 2);
+            const bf16* vk = w.V.data() + (k / 2) * D * 2 + dg * 2;
+#define PAGELLM_PV(T)                     \
+  if ((T) % 2) {                          \
+    _tile_loadd(5, vk + (T) * 32, D * 4); \
+    _tile_dpbf16ps(T, 4, 5);              \
+  } else {                                \
+    _tile_loadd(6, vk + (T) * 32, D * 4); \
+    _tile_dpbf16ps(T, 4, 6);              \
   }
-        for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_PV)
+            for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_PV)
 #undef PAGELLM_PV
-      }
+          }
 #define PAGELLM_STORE_O(T) _tile_stored(T, w.o + dg + (T) * 16, D * 4)
-      for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_STORE_O)
+          for (int64_t c = 0; c < nd; ++c) PAGELLM_TILE_CASES(PAGELLM_STORE_O)
 #undef PAGELLM_STORE_O
-    }
-    for (int64_t i = 0; i < t.rows; ++i) {
-      bf16* o = op + (row0 + i) * a.o_s0 + head * a.o_s1;
-      for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_loadu_ps(w.o + i * D + d));
+        }
+        for (int64_t i = r0; i < std::min(t.rows, r0 + 16); ++i) {
+          const __m512 al = _mm512_set1_ps(w.alpha[i]);
+          float* oi = O + i * D;
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(oi + d, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(oi + d), al),
+                                                   _mm512_loadu_ps(w.o + (i - r0) * D + d)));
+        }
+      }
     }
   }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < t.rows; ++i) {
+      bf16* o = op + (row0 + i) * a.o_s0 + (t.h * G + g) * a.o_s1;
+      const float* oi = w.O.data() + (g * kRows + i) * D;
+      const __m512 inv = _mm512_set1_ps(1.f / w.l[g * kRows + i]);
+      for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), inv));
+    }
 }
 #endif
 

@@ -162,3 +162,57 @@ def test_amx_prefill_kernel_matches_dense(block_size, window, heads, kv_heads, d
     out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
     ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
     assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)], ids=["d64", "d128", "d32"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cascade_prefix_matches_dense(heads, kv_heads, dim, block_size):
+    # Requests 0-6 decode over one shared 3-block prefix (their block tables begin with request 0's blocks);
+    # request 7 decodes over blocks of its own; request 8, a prefill chunk, also starts with the shared blocks
+    # but is not a decode row, so it attends to its whole context in the prefill kernel.
+    from pagellm.model_executor.layers.attention import CascadePrefix, find_cascade_prefix
+    from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+
+    backend = CPUPagedAttention(kv_heads, dim, block_size)
+    if not backend.supports_cascade:
+        pytest.skip("CPU without AMX")
+    shared = 3
+    p = shared * block_size
+    q_lens = [1, 1, 1, 1, 1, 1, 1, 1, 40]
+    ctx_lens = [p + 1, p + 12, p + 52, p + 1, p + 29, p + 82, p + 2, 90, p + 40]
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, torch.bfloat16, heads,
+                                                   kv_heads, dim, seed=5)
+    for r in (1, 2, 3, 4, 5, 6, 8):  # share request 0's first blocks, and so its keys and values there
+        meta.block_tables[r, :shared] = meta.block_tables[0, :shared]
+        k_all[r][:p], v_all[r][:p] = k_all[0][:p], v_all[0][:p]
+    tables, seq, cu = meta.block_tables.numpy(), meta.seq_lens.numpy(), meta.query_start_loc.numpy()
+    decode_rows = np.nonzero(np.array(q_lens) == 1)[0]
+    found = find_cascade_prefix(tables, seq, decode_rows, cu, block_size, min_requests=4, min_tokens=32)
+    assert found is not None
+    blocks, rows, kv_start = found
+    assert blocks.tolist() == tables[0, :shared].tolist() and rows.tolist() == cu[:7].tolist()
+    assert kv_start.tolist() == [p] * 7 + [0, 0]
+    meta.cascade = CascadePrefix(torch.from_numpy(blocks), p, torch.from_numpy(rows), torch.from_numpy(kv_start))
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=None)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, None)
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2), (out.double() - ref).abs().max()
+
+
+def test_find_cascade_prefix_thresholds():
+    from pagellm.model_executor.layers.attention import find_cascade_prefix
+
+    bs = 16
+    tables = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 2, 3], [1, 2, 3, 4]])
+    seq = np.array([64, 64, 64, 64])
+    cu = np.arange(5)
+    rows = np.arange(4)
+    # three requests share blocks 5, 6 (two of them also 7); the fourth is on its own
+    blocks, qrows, start = find_cascade_prefix(tables, seq, rows, cu, bs, min_requests=3, min_tokens=32)
+    assert blocks.tolist() == [5, 6] and qrows.tolist() == [0, 1, 2] and start.tolist() == [32, 32, 32, 0]
+    assert find_cascade_prefix(tables, seq, rows, cu, bs, min_requests=4, min_tokens=32) is None  # group too small
+    assert find_cascade_prefix(tables, seq, rows, cu, bs, min_requests=3, min_tokens=48) is None  # prefix too short
+    # a block that holds a request's new token is never part of the prefix: 33 tokens -> 2 full blocks before it
+    blocks, _, _ = find_cascade_prefix(tables[:2], np.array([33, 64]), rows[:2], cu[:3], bs, 2, 16)
+    assert blocks.tolist() == [5, 6]
+    blocks, _, _ = find_cascade_prefix(tables[:2], np.array([32, 64]), rows[:2], cu[:3], bs, 2, 16)
+    assert blocks.tolist() == [5]

@@ -127,6 +127,31 @@ def test_bf16_long_prompt_in_chunks_matches_one_chunk(gguf_path):
     assert len(outs[0]) == 8 and outs[0] == outs[1]
 
 
+def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):
+    # 10 requests share a 320-token prefix through the prefix cache: their decode steps attend it once for all
+    # (cascade attention, on CPUs with AMX), and the pool is whole after. The kernels' numbers are checked against
+    # a dense fp64 attention in test_attention.py; here the greedy tokens must agree with the cascade off except
+    # at bf16 near-ties, which these random-token prompts produce (52 of 60 tokens agreed when written; a wrong
+    # merge agrees on almost none after the first).
+    prefix = [(i * 53) % 4000 + 100 for i in range(320)]
+    prompts = [{"prompt_token_ids": prefix + [(i * 7 + j) % 3000 + 200 for j in range(5 + i)]} for i in range(10)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB")
+    runner = llm.llm_engine.runner
+    if not runner.supports_cascade:
+        pytest.skip("CPU without AMX")
+    used = []
+    prepare = runner._prepare
+    runner._prepare = lambda so: (lambda r: (used.append(r[2].cascade is not None), r)[1])(prepare(so))
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert any(used) and pool_is_whole(llm)
+    runner.supports_cascade = False
+    used.clear()
+    off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not any(used) and [len(t) for t in on] == [6] * 10
+    assert sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) >= 48
+
+
 def test_cli_generate_and_bench(gguf_path, tmp_path):
     run = lambda *args: subprocess.run([sys.executable, "-m", "pagellm", *args], capture_output=True, text=True,  # noqa
                                        timeout=600)

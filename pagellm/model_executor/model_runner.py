@@ -11,7 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from pagellm.core.scheduler import SchedulerOutput
-from pagellm.model_executor.layers.attention import AttentionMetadata
+from pagellm.model_executor.layers.attention import AttentionMetadata, CascadePrefix, find_cascade_prefix
 from pagellm.model_executor.models.llama import LlamaForCausalLM, ModelShape
 from pagellm.model_executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -40,6 +40,7 @@ class ModelRunner:
             self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_elems, dtype=dtype,
                                              pin_memory=device.type == "cuda")
         self.sampler = Sampler(model.ops)
+        self.supports_cascade = model.supports_cascade and dtype == torch.bfloat16
 
     def swap(self, so: SchedulerOutput) -> None:
         """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""
@@ -81,13 +82,19 @@ class ModelRunner:
 
         dev = self.device
         t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        cascade = None
+        if self.supports_cascade:
+            found = find_cascade_prefix(block_tables, seq_lens, decode_rows, cu, bs)
+            if found is not None:
+                blocks, rows, kv_start = found
+                cascade = CascadePrefix(t(blocks), len(blocks) * bs, t(rows), t(kv_start))
         meta = AttentionMetadata(
             slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
             query_start_loc=t(cu), seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),
             query_lens_list=q_lens.tolist(), decode_q_idx=t(cu[:-1][decode_rows]),
             decode_block_tables=t(np.ascontiguousarray(block_tables[decode_rows])),
             decode_seq_lens=t(seq_lens[decode_rows]), prefill_rows=prefill_rows,
-            max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0)
+            max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0, cascade=cascade)
         return t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f]
 
     def _sampling_metadata(self, reqs) -> SamplingMetadata:

@@ -13,10 +13,53 @@ from dataclasses import dataclass, field
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger("pagellm")
+
+
+@dataclass
+class CascadePrefix:
+    """Cascade attention for decode rows that share a prefix (a system prompt, a few-shot preamble, n samples of
+    one prompt): those requests' block tables begin with the same full blocks. A backend that supports it attends
+    the shared prefix once for all of them, as one batched matmul per kv head (its keys and values read once per
+    step, not once per request), the rest of each context as usual, and merges the two parts by their log-sum-exp.
+    Backends without it simply attend to the whole context."""
+
+    blocks: torch.Tensor  # [prefix_len / block_size] int64: the shared blocks
+    prefix_len: int  # tokens in them
+    rows: torch.Tensor  # [Rc] int64: the query rows (one decode token each) of the requests that share them
+    kv_start: torch.Tensor  # [R] int64: prefix_len for those requests, 0 for the others
+
+
+def find_cascade_prefix(block_tables: np.ndarray, seq_lens: np.ndarray, decode_rows: np.ndarray,
+                        query_start: np.ndarray, block_size: int, min_requests: int = 8,
+                        min_tokens: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The longest run of leading blocks shared by the largest group of decode requests (those whose first block
+    is the most common one), if it is worth a cascade: at least ``min_requests`` requests and ``min_tokens``
+    tokens (vLLM's thresholds). Only blocks wholly before each request's new token count. Returns (blocks, the
+    group's query rows, kv_start per request) or None."""
+    if len(decode_rows) < min_requests:
+        return None
+    first = block_tables[decode_rows, 0]
+    values, counts = np.unique(first, return_counts=True)
+    if counts.max() < min_requests:
+        return None
+    group = decode_rows[first == values[counts.argmax()]]
+    n = int(seq_lens[group].min() - 1) // block_size  # full blocks before every group member's new token
+    if n * block_size < min_tokens:
+        return None
+    bt = block_tables[group, :n]
+    same = (bt == bt[0]).all(axis=0)
+    if not same.all():
+        n = int(same.argmin())
+        if n * block_size < min_tokens:
+            return None
+    kv_start = np.zeros(len(seq_lens), dtype=np.int64)
+    kv_start[group] = n * block_size
+    return np.ascontiguousarray(bt[0, :n]), query_start[group], kv_start
 
 
 @dataclass
@@ -41,6 +84,7 @@ class AttentionMetadata:
     # Per-step memo of prefill attention masks, keyed by (request, window): built by the first layer, reused by
     # the others (a 2,048 x 7,000 mask is worth building once, not 30 times).
     masks: dict = field(default_factory=dict)
+    cascade: CascadePrefix | None = None  # built only for a backend with ``supports_cascade``
 
 
 class AttentionBackend:
@@ -49,6 +93,7 @@ class AttentionBackend:
     block tables. ``ops`` holds fused element-wise kernels that go with the backend (None: plain torch)."""
 
     ops = None
+    supports_cascade = False  # reads AttentionMetadata.cascade (others may ignore it: it is only a speed-up)
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size

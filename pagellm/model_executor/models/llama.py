@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.eps, backend.ops)
         self.ops = backend.ops
+        self.supports_cascade = backend.supports_cascade
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
 

@@ -27,8 +27,8 @@ inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
   return to_float(vb[(t / x) * D * x + d * x + t % x]);
 }
 
-// p[lo..hi) = exp(s - max) / sum, in place; returns nothing (normalised probabilities).
-inline void softmax_range(float* s, int64_t lo, int64_t hi) {
+// p[lo..hi) = exp(s - max) / sum, in place (normalised probabilities); returns the log-sum-exp of the scores.
+inline float softmax_range(float* s, int64_t lo, int64_t hi) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = lo;
 #if defined(__AVX512F__)
@@ -55,6 +55,7 @@ inline void softmax_range(float* s, int64_t lo, int64_t hi) {
   }
   const float inv = 1.f / sum;
   for (i = lo; i < hi; ++i) s[i] *= inv;
+  return m + std::log(sum);
 }
 
 #if defined(__AVX512F__)

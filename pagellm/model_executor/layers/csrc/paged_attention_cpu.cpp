@@ -17,6 +17,9 @@
 // tasks, largest first, from a shared counter. Requests with more than max_query_len rows are skipped: for long
 // prefill chunks the caller's AMX-backed flash attention is faster than these FMA loops (measured crossover
 // ~32 rows per request on this machine), so they are left to it.
+// Cascade attention's suffix part: with kv_start, request r attends only to keys kv_start[r] onwards (the shared
+// prefix before it is attended once for all requests, by prefix_attention_amx), and lse receives each row's
+// log-sum-exp so the caller can merge the two parts.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +41,16 @@ struct Args {
   const int64_t *bt, *seq, *qs;
   float scale;
   int64_t window;
+  const int64_t* kv_start;  // per request, or null: keys before it are left out (cascade attention's suffix part)
+  float* lse;               // [T, H] log-sum-exp of each row's scores, or null
+  int64_t lse_s0;
 };
+
+// First key a row at position p of request r attends to: its window's start, or the request's kv_start.
+inline int64_t key_lo(const Args& a, int64_t r, int64_t p) {
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+  return a.kv_start ? std::max(lo, a.kv_start[r]) : lo;
+}
 
 struct Task {
   int64_t r, h, i0, nrows;  // request, kv head, first query row (relative to the request), rows
@@ -56,7 +68,7 @@ inline Span span_of(const Args& a, const Task& t) {
   const int64_t L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
   s.p0 = L - qlen + t.i0;
   s.khi = s.p0 + t.nrows;
-  s.klo = a.window > 0 ? std::max<int64_t>(0, s.p0 - a.window + 1) : 0;
+  s.klo = key_lo(a, t.r, s.p0);
   s.b0 = s.klo / a.B;
   s.b1 = (s.khi - 1) / a.B;
   s.ns = (s.b1 - s.b0 + 1) * a.B;  // scores are indexed by token - b0 * B
@@ -67,10 +79,11 @@ inline Span span_of(const Args& a, const Task& t) {
 inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S) {
   const int64_t base = s.b0 * a.B;
   for (int64_t i = 0; i < t.nrows; ++i) {
-    const int64_t p = s.p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    const int64_t p = s.p0 + i, lo = key_lo(a, t.r, p);
     for (int64_t g = 0; g < a.G; ++g) {
       float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
-      softmax_range(row, lo, p + 1);
+      const float lse = softmax_range(row, lo, p + 1);
+      if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = lse;
       std::fill(row + s.klo, row + lo, 0.f);
       std::fill(row + p + 1, row + s.khi, 0.f);
     }
@@ -225,7 +238,7 @@ void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* v
 template <typename T>
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& bt,
                const at::Tensor& seq_lens, const at::Tensor& query_start, at::Tensor& out, double scale,
-               int64_t window, int64_t max_query_len) {
+               int64_t window, int64_t max_query_len, const int64_t* kv_start, float* lse, int64_t lse_s0) {
   Args a;
   a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = q.size(2);
   a.B = v_cache.size(2) * v_cache.size(4), a.MB = bt.size(1);
@@ -233,12 +246,15 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
   a.bt = bt.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
   a.scale = static_cast<float>(scale), a.window = window;
+  a.kv_start = kv_start, a.lse = lse, a.lse_s0 = lse_s0;
   const int64_t R = seq_lens.size(0);
 
   std::vector<Task> tasks;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t qlen = a.qs[r + 1] - a.qs[r];
     TORCH_CHECK(qlen >= 0 && qlen <= a.seq[r], "request ", r, ": ", qlen, " query rows for a context of ", a.seq[r]);
+    TORCH_CHECK(!a.kv_start || (a.kv_start[r] >= 0 && a.kv_start[r] <= a.seq[r] - qlen), "request ", r,
+                ": kv_start ", a.kv_start ? a.kv_start[r] : 0, " past its first query position ", a.seq[r] - qlen);
     if (qlen > max_query_len) continue;  // left to the caller
     for (int64_t i0 = 0; i0 < qlen; i0 += kTileRows)
       for (int64_t h = 0; h < a.Hkv; ++h) {
@@ -334,9 +350,17 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     at::Tensor out, double scale, int64_t window, int64_t max_query_len) {
+                     at::Tensor out, double scale, int64_t window, int64_t max_query_len,
+                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
               "q/out: [T, H, D], last dim contiguous");
+  const bool has_start = kv_start.has_value() && kv_start->defined(), has_lse = lse.has_value() && lse->defined();
+  if (has_start)
+    TORCH_CHECK(kv_start->scalar_type() == at::kLong && kv_start->is_contiguous() &&
+                kv_start->numel() == seq_lens.numel(), "kv_start: contiguous int64 [R]");
+  if (has_lse)
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == q.size(0) &&
+                lse->size(1) == q.size(1) && lse->stride(1) == 1, "lse: float32 [T, H]");
   check_cache(k_cache, v_cache, q.size(2));
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
@@ -346,7 +370,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
   pagellm::dispatch_float(q.scalar_type(), "paged_attention", [&](auto tag) {
     attention<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
-                             max_query_len);
+                             max_query_len, has_start ? kv_start->data_ptr<int64_t>() : nullptr,
+                             has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0);
   });
 }
 
@@ -378,7 +403,8 @@ void gather_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const
 // Registered as torch.ops.pagellm.* (no pybind11: the build stays small and fast).
 TORCH_LIBRARY(pagellm, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start, Tensor(a!) out, float scale, int window, int max_query_len) -> ()");
+        "Tensor query_start, Tensor(a!) out, float scale, int window, int max_query_len, Tensor? kv_start=None, "
+        "Tensor(b!)? lse=None) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);

@@ -90,6 +90,9 @@ struct Args {
   const int64_t *bt, *seq, *qs;
   float scale;
   int64_t window;
+  bool causal = true;     // false: every row attends to the whole context (cascade attention's shared prefix)
+  float* lse = nullptr;   // [T, H] log-sum-exp of each row's scores, or null
+  int64_t lse_s0 = 0;
 };
 
 struct Task {
@@ -164,7 +167,7 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
 
 void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, const bf16* vc, bf16* op, Scratch& w) {
   const int64_t B = a.B, D = a.D, G = a.G, L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
-  const int64_t p0 = L - qlen + t.i0, khi = p0 + t.rows;
+  const int64_t p0 = L - qlen + t.i0, khi = a.causal ? p0 + t.rows : L;
   const int64_t klo = a.window > 0 ? std::max<int64_t>(0, p0 - a.window + 1) : 0;
   const int64_t b0 = klo / B, b1 = (khi - 1) / B, base = b0 * B;
   const int64_t n = (b1 - b0 + 1) * B;  // keys from base, in whole blocks
@@ -231,7 +234,7 @@ void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, cons
           std::memset(p, 0, cp * sizeof(bf16));
           continue;
         }
-        const int64_t pos = p0 + i, lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+        const int64_t pos = a.causal ? p0 + i : L - 1, lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
         const int64_t from = std::max<int64_t>(lo - base - c0, 0), to = std::min<int64_t>(pos + 1 - base - c0, cn);
         w.alpha[i] = softmax_pass(w.S.data() + i * cp, p, cp, from, std::max(from, to), a.scale, m[i], l[i]);
       }
@@ -278,9 +281,52 @@ void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, cons
       const float* oi = w.O.data() + (g * kRows + i) * D;
       const __m512 inv = _mm512_set1_ps(1.f / w.l[g * kRows + i]);
       for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(oi + d), inv));
+      if (a.lse) a.lse[(row0 + i) * a.lse_s0 + t.h * G + g] = w.m[g * kRows + i] + std::log(w.l[g * kRows + i]);
     }
 }
+
+// Runs the tasks on all threads, largest first from a shared counter.
+void run_tasks(const Args& a, std::vector<Task>& tasks, const at::Tensor& q, const at::Tensor& k_cache,
+               const at::Tensor& v_cache, at::Tensor& out) {
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  const auto* qp = q.data_ptr<bf16>();
+  const auto* kc = k_cache.data_ptr<bf16>();
+  const auto* vc = v_cache.data_ptr<bf16>();
+  auto* op = out.data_ptr<bf16>();
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    configure();
+    Scratch w;
+    for (int64_t i = next++; i < n; i = next++) run_task(a, tasks[i], qp, kc, vc, op, w);
+    _tile_release();
+  });
+}
+
+Args make_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out,
+               double scale, int64_t window) {
+  Args a;
+  a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = q.size(2), a.B = v_cache.size(2) * 2;
+  a.q_s0 = q.stride(0), a.q_s1 = q.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
+  a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
+  a.scale = static_cast<float>(scale), a.window = window;
+  return a;
+}
 #endif
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
+              "q/out: [T, H, D], last dim contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(4) == 2 && v_cache.size(4) == 2,
+              "caches: the paged layout [NB, Hkv, ., ., 2]");
+  const int64_t D = q.size(2), B = v_cache.size(2) * 2;
+  TORCH_CHECK(k_cache.size(2) * 2 == D && k_cache.size(3) == B && v_cache.size(3) == D && k_cache.stride(3) == 2 &&
+              k_cache.stride(2) == B * 2 && v_cache.stride(3) == 2 && v_cache.stride(2) == D * 2,
+              "each (block, head) of the cache must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+}
 
 }  // namespace
 
@@ -299,28 +345,16 @@ bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size) {
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                            at::Tensor out, double scale, int64_t window, int64_t min_query_len) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
-              "q/out: [T, H, D], last dim contiguous");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              out.scalar_type() == at::kBFloat16, "bfloat16 only");
-  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(4) == 2 && v_cache.size(4) == 2,
-              "caches: the paged layout [NB, Hkv, ., ., 2]");
+  check_inputs(q, k_cache, v_cache, out);
   const int64_t D = q.size(2), B = v_cache.size(2) * 2;
-  TORCH_CHECK(k_cache.size(2) * 2 == D && k_cache.size(3) == B && v_cache.size(3) == D && k_cache.stride(3) == 2 &&
-              k_cache.stride(2) == B * 2 && v_cache.stride(3) == 2 && v_cache.stride(2) == D * 2,
-              "each (block, head) of the cache must be contiguous");
   TORCH_CHECK(prefill_attention_amx_supported(D, B), "prefill_attention_amx: needs AMX, head_dim % 32 == 0 "
               "(at most 128) and block_size % 16 == 0; got head_dim ", D, ", block_size ", B);
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
 #if defined(PAGELLM_AMX)
-  Args a;
-  a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = D, a.B = B, a.MB = block_tables.size(1);
-  a.q_s0 = q.stride(0), a.q_s1 = q.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
-  a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
+  Args a = make_args(q, k_cache, v_cache, out, scale, window);
+  a.MB = block_tables.size(1);
   a.bt = block_tables.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
-  a.scale = static_cast<float>(scale), a.window = window;
   std::vector<Task> tasks;
   for (int64_t r = 0; r < seq_lens.size(0); ++r) {
     const int64_t qlen = a.qs[r + 1] - a.qs[r];
@@ -330,19 +364,32 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t h = 0; h < a.Hkv; ++h)
         tasks.push_back({r, h, i0, std::min(kRows, qlen - i0), a.seq[r] - qlen + i0 + kRows});
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-  const auto* qp = q.data_ptr<bf16>();
-  const auto* kc = k_cache.data_ptr<bf16>();
-  const auto* vc = v_cache.data_ptr<bf16>();
-  auto* op = out.data_ptr<bf16>();
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    configure();
-    Scratch w;
-    for (int64_t i = next++; i < n; i = next++) run_task(a, tasks[i], qp, kc, vc, op, w);
-    _tile_release();
-  });
+  run_tasks(a, tasks, q, k_cache, v_cache, out);
+#endif
+}
+
+// Cascade attention's shared part: every row of q [R, H, D] (one decode token of each request sharing the
+// prefix) attends to all keys of the prefix held in blocks, without a mask -> out, and each row's log-sum-exp
+// -> lse [R, H] (fp32) for merging with the rest of its context.
+void prefix_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& blocks, at::Tensor out, at::Tensor lse, double scale) {
+  check_inputs(q, k_cache, v_cache, out);
+  const int64_t D = q.size(2), B = v_cache.size(2) * 2;
+  TORCH_CHECK(prefill_attention_amx_supported(D, B), "prefix_attention_amx: needs AMX, head_dim % 32 == 0 "
+              "(at most 128) and block_size % 16 == 0; got head_dim ", D, ", block_size ", B);
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() && blocks.numel() > 0,
+              "blocks: contiguous int64, at least one");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(0) &&
+              lse.size(1) == q.size(1) && lse.stride(1) == 1, "lse: float32 [R, H]");
+#if defined(PAGELLM_AMX)
+  Args a = make_args(q, k_cache, v_cache, out, scale, 0);
+  const int64_t R = q.size(0), L = blocks.numel() * B, qs[2] = {0, R};
+  a.MB = blocks.numel(), a.bt = blocks.data_ptr<int64_t>(), a.seq = &L, a.qs = qs;
+  a.causal = false, a.lse = lse.data_ptr<float>(), a.lse_s0 = lse.stride(0);
+  std::vector<Task> tasks;
+  for (int64_t i0 = 0; i0 < R; i0 += kRows)
+    for (int64_t h = 0; h < a.Hkv; ++h) tasks.push_back({0, h, i0, std::min(kRows, R - i0), L});
+  run_tasks(a, tasks, q, k_cache, v_cache, out);
 #endif
 }
 
@@ -350,6 +397,9 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("prefill_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, Tensor(a!) out, float scale, int window, int min_query_len) -> ()");
   m.impl("prefill_attention_amx", c10::DispatchKey::CPU, &prefill_attention_amx);
+  m.def("prefix_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor(a!) out, "
+        "Tensor(b!) lse, float scale) -> ()");
+  m.impl("prefix_attention_amx", c10::DispatchKey::CPU, &prefix_attention_amx);
   m.def("prefill_attention_amx_supported(int head_dim, int block_size) -> bool",
         [](int64_t d, int64_t b) { return prefill_attention_amx_supported(d, b); });
 }

@@ -18,12 +18,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGELLM_AMX 1
-#endif
-
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -33,34 +28,7 @@ using bf16 = c10::BFloat16;
 #if defined(PAGELLM_AMX)
 constexpr int64_t kRowChunk = 256;
 
-// Linux hands out AMX tile state on request (once per process).
-bool request_amx() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile is 16 rows x 64 bytes: C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
-// (A static object: GCC may drop stores to a stack copy that only ldtilecfg reads; see prefill_attention_amx.cpp.)
-void configure() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
-
+// Tiles (configure_tiles): C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
 // One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32.
 // pf: the next block's two panels, fetched into L1 slice by slice alongside (null: none).
 template <int MB, int NB>
@@ -121,7 +89,7 @@ void store_block(const float* c, int64_t rows, int64_t n0, int64_t cols, const b
 // The column blocks [nb0, nb1) (32 columns each) of y, all rows.
 void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n, int64_t N, int64_t nb0, int64_t nb1,
              const bf16* bias, bf16* y, int64_t ldy) {
-  configure();
+  configure_tiles();
   alignas(64) float c[32 * 32];
   const int64_t full = M / 16 * 16, K = kc_n * 32;
   std::vector<bf16> tail;  // the last M % 16 rows, zero-padded to 16

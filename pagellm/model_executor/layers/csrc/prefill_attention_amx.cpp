@@ -31,49 +31,22 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGELLM_AMX 1
-#endif
-
+#include "amx.h"
 #include "vec.h"
+
+#if defined(PAGELLM_AMX) && defined(__AVX512BF16__)
+#define PAGELLM_AMX_ATTENTION 1
+#endif
 
 namespace {
 using namespace pagellm;
 using bf16 = c10::BFloat16;
 
-#if defined(PAGELLM_AMX)
+#if defined(PAGELLM_AMX_ATTENTION)
 constexpr int64_t kRows = 32;  // query rows per task: two 16-row tiles share each key tile they load
 
-bool request_amx() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes. Scores: Q (the two row tiles' same 32 dims) 0-1, K 5-6 (two 16-key tiles),
-// S 2-3 and 4, 7 (2 x 2 in flight). Values: O 0-3, P 4, V 5-6.
-// (A static object: built on the stack and inlined, GCC dropped the stores ldtilecfg reads and left all tiles
-// unconfigured, so the first tile load faulted.)
-void configure() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
+// Tiles (configure_tiles, 16 x 64 bytes each). Scores: Q (the two row tiles' same 32 dims) 0-1, K 5-6 (two
+// 16-key tiles), S 2-3 and 4, 7 (2 x 2 in flight). Values: O 0-3, P 4, V 5-6.
 
 // The index of a tile in an AMX instruction is an immediate: these dispatch a runtime index 0-3.
 #define PAGELLM_TILE_CASES(OP) \
@@ -296,7 +269,7 @@ void run_tasks(const Args& a, std::vector<Task>& tasks, const at::Tensor& q, con
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    configure();
+    configure_tiles();
     Scratch w;
     for (int64_t i = next++; i < n; i = next++) run_task(a, tasks[i], qp, kc, vc, op, w);
     _tile_release();
@@ -332,7 +305,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 // True when this build and CPU can run the kernel for this head_dim and block size.
 bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size) {
-#if defined(PAGELLM_AMX)
+#if defined(PAGELLM_AMX_ATTENTION)
   return request_amx() && head_dim % 32 == 0 && head_dim <= 128 && block_size % 16 == 0;
 #else
   (void)head_dim, (void)block_size;
@@ -351,7 +324,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
               "(at most 128) and block_size % 16 == 0; got head_dim ", D, ", block_size ", B);
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
-#if defined(PAGELLM_AMX)
+#if defined(PAGELLM_AMX_ATTENTION)
   Args a = make_args(q, k_cache, v_cache, out, scale, window);
   a.MB = block_tables.size(1);
   a.bt = block_tables.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
@@ -381,7 +354,7 @@ void prefix_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const 
               "blocks: contiguous int64, at least one");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(0) &&
               lse.size(1) == q.size(1) && lse.stride(1) == 1, "lse: float32 [R, H]");
-#if defined(PAGELLM_AMX)
+#if defined(PAGELLM_AMX_ATTENTION)
   Args a = make_args(q, k_cache, v_cache, out, scale, 0);
   const int64_t R = q.size(0), L = blocks.numel() * B, qs[2] = {0, R};
   a.MB = blocks.numel(), a.bt = blocks.data_ptr<int64_t>(), a.seq = &L, a.qs = qs;

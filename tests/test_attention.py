@@ -192,7 +192,7 @@ def test_cascade_prefix_matches_dense(heads, kv_heads, dim, block_size):
     blocks, rows, kv_start = found
     assert blocks.tolist() == tables[0, :shared].tolist() and rows.tolist() == cu[:7].tolist()
     assert kv_start.tolist() == [p] * 7 + [0, 0]
-    meta.cascade = CascadePrefix(torch.from_numpy(blocks), p, torch.from_numpy(rows), torch.from_numpy(kv_start))
+    meta.cascade = CascadePrefix(torch.from_numpy(blocks), torch.from_numpy(rows), torch.from_numpy(kv_start))
     out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=None)
     ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, None)
     assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2), (out.double() - ref).abs().max()

@@ -140,9 +140,14 @@ def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):
     runner = llm.llm_engine.runner
     if not runner.supports_cascade:
         pytest.skip("CPU without AMX")
-    used = []
+    used = []  # per step: was a cascade prefix found?
     prepare = runner._prepare
-    runner._prepare = lambda so: (lambda r: (used.append(r[2].cascade is not None), r)[1])(prepare(so))
+
+    def spy(so):
+        inputs = prepare(so)
+        used.append(inputs[2].cascade is not None)
+        return inputs
+    runner._prepare = spy
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert any(used) and pool_is_whole(llm)
     runner.supports_cascade = False

@@ -87,7 +87,7 @@ class ModelRunner:
             found = find_cascade_prefix(block_tables, seq_lens, decode_rows, cu, bs)
             if found is not None:
                 blocks, rows, kv_start = found
-                cascade = CascadePrefix(t(blocks), len(blocks) * bs, t(rows), t(kv_start))
+                cascade = CascadePrefix(t(blocks), t(rows), t(kv_start))
         meta = AttentionMetadata(
             slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
             query_start_loc=t(cu), seq_lens_list=seq_lens.tolist(), query_start_list=cu.tolist(),

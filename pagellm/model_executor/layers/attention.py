@@ -28,10 +28,9 @@ class CascadePrefix:
     step, not once per request), the rest of each context as usual, and merges the two parts by their log-sum-exp.
     Backends without it simply attend to the whole context."""
 
-    blocks: torch.Tensor  # [prefix_len / block_size] int64: the shared blocks
-    prefix_len: int  # tokens in them
+    blocks: torch.Tensor  # [P] int64: the shared blocks (P * block_size tokens)
     rows: torch.Tensor  # [Rc] int64: the query rows (one decode token each) of the requests that share them
-    kv_start: torch.Tensor  # [R] int64: prefix_len for those requests, 0 for the others
+    kv_start: torch.Tensor  # [R] int64: P * block_size for those requests, 0 for the others
 
 
 def find_cascade_prefix(block_tables: np.ndarray, seq_lens: np.ndarray, decode_rows: np.ndarray,

@@ -16,10 +16,10 @@ from pagellm.model_executor.layers.attention import CascadePrefix, TorchPagedAtt
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 
 
-# Requests with at most this many query rows go through the C++ kernel; past it SDPA's flash kernel is as fast or
-# faster once the chunk follows a context (measured on steps of 4 chunks after 500 tokens: 32 rows, kernel
-# 0.87 ms against SDPA 1.24; 64 rows, 1.82 against 1.63). Whole short prompts stay ahead in the kernel up to ~200
-# rows (4 x 128: 1.12 against 1.50 ms) but a chunk of a long context does not, so one bound serves both.
+# Requests with at most this many query rows go through the paged FMA kernel; longer chunks go to the AMX prefill
+# kernel (bf16) or SDPA. ``python bench/kernels.py``, 4 chunks of 32 rows after 500 tokens: 1.3 ms against 2.1 ms
+# for the SDPA reference. Past 32 rows SDPA caught up with the FMA kernel on chunks after a context (64 rows:
+# 1.63 against 1.82 ms, measured with the same case builder before the AMX kernel existed).
 KERNEL_MAX_QUERY = 32
 
 

@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <numeric>
 #include <vector>
 
@@ -264,17 +263,13 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
         tasks.push_back(t);
       }
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+  run_largest_first(tasks, [&](auto next) {
     std::vector<float> qf, S, of;
-    for (int64_t i = next++; i < n; i = next++) run_task<T>(a, tasks[i], qp, kc, vc, op, qf, S, of);
+    while (const Task* t = next()) run_task<T>(a, *t, qp, kc, vc, op, qf, S, of);
   });
 }
 

@@ -25,14 +25,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "amx.h"
-#include "vec.h"
+#include "attention_common.h"
 
 #if defined(PAGELLM_AMX) && defined(__AVX512BF16__)
 #define PAGELLM_AMX_ATTENTION 1
@@ -258,20 +257,16 @@ void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, cons
     }
 }
 
-// Runs the tasks on all threads, largest first from a shared counter.
 void run_tasks(const Args& a, std::vector<Task>& tasks, const at::Tensor& q, const at::Tensor& k_cache,
                const at::Tensor& v_cache, at::Tensor& out) {
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   const auto* qp = q.data_ptr<bf16>();
   const auto* kc = k_cache.data_ptr<bf16>();
   const auto* vc = v_cache.data_ptr<bf16>();
   auto* op = out.data_ptr<bf16>();
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    configure_tiles();
+  run_largest_first(tasks, [&](auto next) {
+    configure_tiles();  // tile state is per thread
     Scratch w;
-    for (int64_t i = next++; i < n; i = next++) run_task(a, tasks[i], qp, kc, vc, op, w);
+    while (const Task* t = next()) run_task(a, *t, qp, kc, vc, op, w);
     _tile_release();
   });
 }

@@ -175,26 +175,67 @@ class LlamaForCausalLM(nn.Module):
         self.supports_cascade = backend.supports_cascade
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
+        self.backend = backend
+        # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies.
+        self.decoder = None
+        self._bound_caches: list[torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (model dtype)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+        if self.decoder is not None:
+            x, residual = self._fused_layers(x, rope, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         if self.fast_lm_head is not None:
             return self.fast_lm_head(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)
 
-    def use_cpu_kernels(self, kernels: CPUKernels) -> None:
-        """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear)."""
+    def _fused_layers(self, x, rope, kv_caches, meta: AttentionMetadata):
+        if kv_caches is not self._bound_caches:  # the runner passes the same list every step
+            views = [self.backend.views(c) for c in kv_caches]
+            self.decoder.bind_cache([k for k, _ in views], [v for _, v in views])
+            self._bound_caches = kv_caches
+        c = meta.cascade
+        return self.decoder.forward(x, *rope, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, bool(meta.prefill_rows), c and c.blocks, c and c.rows,
+                                    c and c.kv_start)
+
+    def use_cpu_kernels(self, kernels: CPUKernels, fused: bool = True) -> None:
+        """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,
+        where the C++ decoder covers the model (bf16 on AMX, no q/k norms), the layer loop runs in C++."""
         replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
+        if fused:
+            self.decoder = self._build_decoder()
+
+    def _build_decoder(self):
+        s, backend = self.shape, self.backend
+        linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if (s.qk_norm or not getattr(backend, "amx_prefill", False) or self.embed_tokens.weight.dtype != torch.bfloat16
+                or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
+            return None
+        from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
+        from pagellm.model_executor.layers.linear import AMX_MAX_ROWS
+
+        decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
+                                                     s.eps, s.head_dim ** -0.5, AMX_MAX_ROWS, KERNEL_MAX_QUERY)
+        no_bias = torch.empty(0, dtype=torch.bfloat16)
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias]
+            decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0)
+        return decoder
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

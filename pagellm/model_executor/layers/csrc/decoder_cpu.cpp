@@ -1,0 +1,162 @@
+// The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX.
+//
+// Why: a layer is ten kernel calls, and at a few rows each kernel takes only tens of microseconds. Driven from
+// Python every call also pays the interpreter, nn.Module and the dispatcher, ~3-4 ms of a ~19 ms single-request
+// decode step (cProfile). Here the loop over layers and the calls run in C++, straight to the kernels' entry
+// points (ops.h). The kernels and the routing between them are the Python path's (models/llama.py with
+// layers/linear.py and layers/cpu_attention.py), which stays for fp32, CPUs without AMX, Qwen3's q/k norms and
+// the tests that hold the two paths equal.
+//
+// Per layer, with the residual stream kept apart so each skip-add fuses into the next norm:
+//   h = add_rms_norm(h, residual)  (layer 0: rms_norm of the embeddings, which become the residual)
+//   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
+//   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu_and_mul(linear(h)))
+// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows, oneDNN (at::mm) above.
+// Attention: the paged kernel for decode rows and short chunks, the AMX prefill kernel for longer chunks, and
+// for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// A profiler range (what `pagellm bench throughput --profile` reads); nearly free when no profiler runs.
+#define PAGELLM_RANGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
+
+struct Linear {
+  at::Tensor packed, weight;  // AMX B-tile order (layers/linear.py: pack_amx), and plain [N, K]
+  c10::optional<at::Tensor> bias;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+  int64_t window = 0;  // sliding window (0: none)
+  at::Tensor k_cache, v_cache;  // the paged views of this layer's cache (bind_cache)
+};
+
+class LlamaDecoder : public torch::CustomClassHolder {
+ public:
+  LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+               double scale, int64_t amx_max_rows, int64_t kernel_max_query)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
+        amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query) {
+    TORCH_CHECK(amx_linear_supported(), "LlamaDecoder needs AMX-BF16");
+  }
+
+  // weights: input_norm, post_norm, then (packed, plain, bias) for qkv, o, gate_up, down; an empty bias: none.
+  void add_layer(std::vector<at::Tensor> w, int64_t window) {
+    TORCH_CHECK(w.size() == 14, "add_layer: 14 tensors, got ", w.size());
+    for (const auto& t : w) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "LlamaDecoder: bfloat16 weights only");
+    auto linear = [&](size_t i) {
+      Linear l{w[i], w[i + 1], c10::nullopt};
+      if (w[i + 2].numel() > 0) l.bias = w[i + 2];
+      return l;
+    };
+    Layer layer{w[0], w[1], linear(2), linear(5), linear(8), linear(11), window};
+    TORCH_CHECK(layer.qkv.weight.size(0) == (H_ + 2 * Hkv_) * D_ && layer.gate_up.weight.size(0) == 2 * I_,
+                "add_layer: weight shapes do not match the model's");
+    layers_.push_back(std::move(layer));
+  }
+
+  // The per-layer views of the KV cache, [NB, Hkv, D/2, B, 2] and [NB, Hkv, B/2, D, 2] (cpu_attention.views).
+  void bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
+    for (size_t l = 0; l < layers_.size(); ++l) layers_[l].k_cache = k_caches[l], layers_[l].v_cache = v_caches[l];
+  }
+
+  // x: the embeddings [T, hidden] (taken over as the residual stream). Returns (last layer's output, residual);
+  // the caller adds them in the final norm. prefill: some request has more than one query row.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                                             at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start,
+                                             bool prefill, c10::optional<at::Tensor> cascade_blocks,
+                                             c10::optional<at::Tensor> cascade_rows,
+                                             c10::optional<at::Tensor> cascade_kv_start) {
+    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "LlamaDecoder: no layers or no bound cache");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: bf16 [T, hidden]");
+    const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
+    const auto opts = x.options();
+    at::Tensor residual = x, h = at::empty_like(x);
+    at::Tensor qkv = at::empty({T, q_size + 2 * kv_size}, opts), attn = at::empty({T, H_, D_}, opts);
+    at::Tensor gate_up = at::empty({T, 2 * I_}, opts), act = at::empty({T, I_}, opts);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H_, D_});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv_, D_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_});
+    const bool cascade = cascade_blocks.has_value() && cascade_blocks->defined();
+    at::Tensor lse = cascade ? at::empty({T, H_}, opts.dtype(at::kFloat)) : at::Tensor();
+
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      {
+        PAGELLM_RANGE("pagellm.layer.attention");
+        if (l == 0) rms_norm(residual, L.input_norm, h, eps_);
+        else add_rms_norm(h, residual, L.input_norm, eps_);
+        linear(h, L.qkv, qkv);
+        rotary_embedding(q, k, cos, sin);
+        {
+          PAGELLM_RANGE("pagellm.attention_backend");
+          write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
+          const bool casc = cascade && L.window == 0;
+          paged_attention(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_, L.window,
+                          kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
+                          casc ? c10::optional<at::Tensor>(lse) : c10::nullopt);
+          if (casc) attend_prefix(q, attn, lse, L, *cascade_blocks, *cascade_rows);
+          if (prefill)
+            prefill_attention_amx(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_,
+                                  L.window, kernel_max_query_);
+        }
+        linear(attn.view({T, q_size}), L.o, h);
+      }
+      PAGELLM_RANGE("pagellm.layer.mlp");
+      add_rms_norm(h, residual, L.post_norm, eps_);
+      linear(h, L.gate_up, gate_up);
+      silu_and_mul(gate_up, act);
+      linear(act, L.down, h);
+    }
+    return {h, residual};
+  }
+
+ private:
+  void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
+    if (x.size(0) <= amx_max_rows_) {
+      amx_linear(x, l.packed, l.bias, out);
+    } else if (l.bias.has_value()) {
+      at::addmm_out(out, *l.bias, x, l.weight.t());
+    } else {
+      at::mm_out(out, x, l.weight.t());
+    }
+  }
+
+  // out[rows] holds attention over each row's own suffix (log-sum-exp in lse); attend the shared prefix for all
+  // rows at once on AMX tiles and merge, the prefix weighing sigmoid(lse_prefix - lse_suffix) (cpu_attention.py).
+  void attend_prefix(const at::Tensor& q, at::Tensor& out, const at::Tensor& lse, const Layer& L,
+                     const at::Tensor& blocks, const at::Tensor& rows) const {
+    const at::Tensor qr = q.index_select(0, rows);
+    at::Tensor o1 = at::empty_like(qr), lse1 = at::empty({qr.size(0), H_}, lse.options());
+    prefix_attention_amx(qr, L.k_cache, L.v_cache, blocks, o1, lse1, scale_);
+    const at::Tensor w1 = at::sigmoid(lse1 - lse.index_select(0, rows)).unsqueeze(-1);
+    const at::Tensor merged = out.index_select(0, rows).to(at::kFloat).lerp_(o1.to(at::kFloat), w1);
+    out.index_copy_(0, rows, merged.to(out.scalar_type()));
+  }
+
+  int64_t H_, Hkv_, D_, I_;
+  double eps_, scale_;
+  int64_t amx_max_rows_, kernel_max_query_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.class_<LlamaDecoder>("LlamaDecoder")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
+      .def("add_layer", &LlamaDecoder::add_layer)
+      .def("bind_cache", &LlamaDecoder::bind_cache)
+      .def("forward", &LlamaDecoder::forward);
+}

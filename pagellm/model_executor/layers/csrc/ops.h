@@ -1,0 +1,28 @@
+// The kernels' C++ entry points (each also registered as torch.ops.pagellm.*), for code in this library that
+// calls them directly rather than through the dispatcher: the fused decoder (decoder_cpu.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, at::Tensor out, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor out);
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+
+bool amx_linear_supported();
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out);
+
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping);
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                     at::Tensor out, double scale, int64_t window, int64_t max_query_len,
+                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse);
+
+bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size);
+void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                           at::Tensor out, double scale, int64_t window, int64_t min_query_len);
+void prefix_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& blocks, at::Tensor out, at::Tensor lse, double scale);

@@ -1,0 +1,100 @@
+"""The C++ layer loop (csrc/decoder_cpu.cpp) against the Python one it replaces in bf16 on AMX CPUs.
+
+Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
+the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
+over AMX_MAX_ROWS (oneDNN), sliding windows, q/k/v biases, and cascade attention over a shared prefix.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLM, SamplingParams
+
+from conftest import pool_is_whole
+
+COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)  # head_dim 32: the smallest the AMX attention kernels take
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=40),
+    "qwen2_bias": lambda: transformers.Qwen2Config(**COMMON),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            torch.manual_seed(7)
+            model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.3 if p.dim() > 1 else 0.5)  # decisive logits; non-zero biases for qwen2
+            made[arch] = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(made[arch], safe_serialization=True)
+        return str(made[arch])
+
+    return make
+
+
+def run(path: str, fused: bool, prompts, params, **kw):
+    llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="32MiB", **kw)
+    model = llm.llm_engine.runner.model
+    if model.decoder is None:
+        pytest.skip("no C++ decoder here (CPU without AMX-BF16)")
+    if not fused:
+        model.decoder = None
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert pool_is_whole(llm)
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_fused_layers_equal_the_python_loop(checkpoint, arch):
+    # prompts of 700 (over AMX_MAX_ROWS in one chunk), 150, 33, 20 and 1 tokens, then decode steps mixed with
+    # the later chunks; logprobs (not only tokens) must be identical
+    lengths = (700, 150, 33, 20, 1)
+    prompts = [{"prompt_token_ids": [(i * 31 + n) % 500 + 3 for i in range(n)]} for n in lengths]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    path = checkpoint(arch)
+    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
+    fused, loop = run(path, True, prompts, params, **kw), run(path, False, prompts, params, **kw)
+    assert [len(t) for t, _ in fused] == [12] * len(lengths)
+    assert fused == loop
+
+
+def test_fused_cascade_equals_the_python_loop(checkpoint):
+    # 10 requests behind a shared 288-token prefix (prefix cache on): their decode steps take cascade attention
+    prefix = [(i * 53) % 500 + 3 for i in range(288)]
+    prompts = [{"prompt_token_ids": prefix + [(i * 7 + j) % 400 + 50 for j in range(3 + i)]} for i in range(10)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    path = checkpoint("llama")
+    llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="32MiB")
+    runner = llm.llm_engine.runner
+    if runner.model.decoder is None or not runner.supports_cascade:
+        pytest.skip("CPU without AMX-BF16")
+    prepare, used = runner._prepare, []
+
+    def spy(so):
+        inputs = prepare(so)
+        used.append(inputs[2].cascade is not None)
+        return inputs
+    runner._prepare = spy
+    fused = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert any(used)
+    loop = run(path, False, prompts, params)
+    assert [(t, [sorted(d.items()) for d in lp]) for t, lp in fused] == loop
+
+
+def test_no_fused_decoder_where_it_does_not_apply(tiny_checkpoint):
+    # Qwen3's per-head q/k norms and fp32 keep the Python loop (fp32 stays HF's exact GEMMs)
+    for arch, dtype in (("qwen3", "bfloat16"), ("llama", "float32")):
+        llm = LLM(model=str(tiny_checkpoint(arch)), dtype=dtype, kv_cache_memory="8MiB")
+        assert llm.llm_engine.runner.model.decoder is None
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3

@@ -95,36 +95,57 @@ class LlamaDecoder : public torch::CustomClassHolder {
       const Layer& L = layers_[l];
       {
         PAGELLM_RANGE("pagellm.layer.attention");
-        if (l == 0) rms_norm(residual, L.input_norm, h, eps_);
-        else add_rms_norm(h, residual, L.input_norm, eps_);
+        norm(l == 0, residual, h, L.input_norm);
         linear(h, L.qkv, qkv);
-        rotary_embedding(q, k, cos, sin);
+        {
+          PAGELLM_RANGE("pagellm::rotary_embedding");
+          rotary_embedding(q, k, cos, sin);
+        }
         {
           PAGELLM_RANGE("pagellm.attention_backend");
-          write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
+          {
+            PAGELLM_RANGE("pagellm::write_kv_cache");
+            write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
+          }
           const bool casc = cascade && L.window == 0;
-          paged_attention(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_, L.window,
-                          kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
-                          casc ? c10::optional<at::Tensor>(lse) : c10::nullopt);
+          {
+            PAGELLM_RANGE("pagellm::paged_attention");
+            paged_attention(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_, L.window,
+                            kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
+                            casc ? c10::optional<at::Tensor>(lse) : c10::nullopt);
+          }
           if (casc) attend_prefix(q, attn, lse, L, *cascade_blocks, *cascade_rows);
-          if (prefill)
+          if (prefill) {
+            PAGELLM_RANGE("pagellm::prefill_attention_amx");
             prefill_attention_amx(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_,
                                   L.window, kernel_max_query_);
+          }
         }
         linear(attn.view({T, q_size}), L.o, h);
       }
       PAGELLM_RANGE("pagellm.layer.mlp");
-      add_rms_norm(h, residual, L.post_norm, eps_);
+      norm(false, residual, h, L.post_norm);
       linear(h, L.gate_up, gate_up);
-      silu_and_mul(gate_up, act);
+      {
+        PAGELLM_RANGE("pagellm::silu_and_mul");
+        silu_and_mul(gate_up, act);
+      }
       linear(act, L.down, h);
     }
     return {h, residual};
   }
 
  private:
+  // first: h = rms_norm(residual); else residual += h, h = rms_norm(residual) (in place)
+  void norm(bool first, at::Tensor& residual, at::Tensor& h, const at::Tensor& weight) const {
+    PAGELLM_RANGE("pagellm::add_rms_norm");
+    if (first) rms_norm(residual, weight, h, eps_);
+    else add_rms_norm(h, residual, weight, eps_);
+  }
+
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (x.size(0) <= amx_max_rows_) {
+      PAGELLM_RANGE("pagellm::amx_linear");
       amx_linear(x, l.packed, l.bias, out);
     } else if (l.bias.has_value()) {
       at::addmm_out(out, *l.bias, x, l.weight.t());
@@ -137,6 +158,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // rows at once on AMX tiles and merge, the prefix weighing sigmoid(lse_prefix - lse_suffix) (cpu_attention.py).
   void attend_prefix(const at::Tensor& q, at::Tensor& out, const at::Tensor& lse, const Layer& L,
                      const at::Tensor& blocks, const at::Tensor& rows) const {
+    PAGELLM_RANGE("pagellm::prefix_attention_amx");
     const at::Tensor qr = q.index_select(0, rows);
     at::Tensor o1 = at::empty_like(qr), lse1 = at::empty({qr.size(0), H_}, lse.options());
     prefix_attention_amx(qr, L.k_cache, L.v_cache, blocks, o1, lse1, scale_);

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -274,6 +275,24 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
 }
 
 // Scatter this step's K/V rows into their slots (slot = block * B + offset; negative slots are skipped).
+// One token of one kv head into 16-bit caches: K as D/2 whole 32-bit words (one per dim pair, B words apart),
+// V into its half (odd: upper) of each of the D words of its token-pair row, 16 dims per masked store.
+template <typename T>
+inline void write_pairs(const T* ks, T* kd, const T* vs, T* vd, int64_t D, int64_t B, int64_t odd) {
+  for (int64_t j = 0; j < D / 2; ++j) std::memcpy(kd + j * B * 2, ks + j * 2, 4);
+  vd -= odd;  // the word row's start
+  int64_t d = 0;
+#if defined(__AVX512BW__)
+  const __mmask32 half = odd ? 0xAAAAAAAAu : 0x55555555u;
+  for (; d + 16 <= D; d += 16) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs + d)));
+    if (odd) w = _mm512_slli_epi32(w, 16);
+    _mm512_mask_storeu_epi16(vd + 2 * d, half, w);
+  }
+#endif
+  for (; d < D; ++d) vd[2 * d + odd] = vs[d];
+}
+
 template <typename T>
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                  const at::Tensor& slots) {
@@ -294,6 +313,10 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, 
         const T* vs = vp + t * v.stride(0) + h * v.stride(1);
         T* kd = kc + blk * k_cache.stride(0) + h * k_cache.stride(1) + off * x;
         T* vd = vc + blk * v_cache.stride(0) + h * v_cache.stride(1) + (off / x) * D * x + off % x;
+        if constexpr (x == 2) {
+          write_pairs(ks, kd, vs, vd, D, B, off % 2);
+          continue;
+        }
         for (int64_t j = 0; j < D / x; ++j)
           for (int e = 0; e < x; ++e) kd[j * B * x + e] = ks[j * x + e];
         for (int64_t d = 0; d < D; ++d) vd[d * x] = vs[d];

@@ -54,13 +54,22 @@ inline __m512 load16(const c10::Half* p) {
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 // Round-to-nearest-even to bf16, NaN kept quiet (0x7fc0) exactly as c10::BFloat16's constructor does.
-inline __m256i cvt_bf16(__m512 v) {
+inline __m256i cvt_bf16_exact(__m512 v) {
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(rounded);
+}
+// The same by AVX512-BF16's one-instruction conversion where it agrees: it flushes denormals to zero and keeps
+// a NaN's payload, so a vector holding either (in practice never) takes the integer path above.
+inline __m256i cvt_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0xA1) == 0, 1))  // 0x01 QNaN | 0x20 denormal | 0x80 SNaN
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
+  return cvt_bf16_exact(v);
 }
 inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt_bf16(v));

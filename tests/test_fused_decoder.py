@@ -2,7 +2,7 @@
 
 Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
 the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
-over AMX_MAX_ROWS (oneDNN), sliding windows, q/k/v biases, and cascade attention over a shared prefix.
+over AMX_MAX_ROWS (oneDNN), sliding windows, biases (q/k/v, o, MLP), and cascade attention over a shared prefix.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=40),
     "qwen2_bias": lambda: transformers.Qwen2Config(**COMMON),
+    "llama_all_biases": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
 }
 
 

@@ -110,23 +110,34 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
     std::memset(p, 0, np * sizeof(bf16));
     return 1.f;
   }
+  // Two accumulators in each loop below: one would chain every vector on the previous one's latency.
   float cm = -std::numeric_limits<float>::infinity();
   int64_t j = lo;
-  __m512 vmax = _mm512_set1_ps(cm);
+  __m512 vmax = _mm512_set1_ps(cm), vmax2 = vmax;
+  for (; j + 32 <= hi; j += 32) {
+    vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    vmax2 = _mm512_max_ps(vmax2, _mm512_loadu_ps(s + j + 16));
+  }
   for (; j + 16 <= hi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  cm = _mm512_reduce_max_ps(vmax);
+  cm = _mm512_reduce_max_ps(_mm512_max_ps(vmax, vmax2));
   for (; j < hi; ++j) cm = std::max(cm, s[j]);
   const float mn = std::max(m, cm * scale);  // scale > 0
   const float alpha = std::exp(m - mn);      // m = -inf on the first pass: 0
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(mn);
-  __m512 acc = _mm512_setzero_ps();
-  std::memset(p, 0, lo * sizeof(bf16));
-  for (j = lo; j + 16 <= hi; j += 16) {
+  // p[j..j+15] as bf16, and its terms as rounded (what P V will multiply) for the sum
+  auto term = [&](int64_t j) {
     const __m256i e = (__m256i)_mm512_cvtneps_pbh(exp16_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), e);
-    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));  // as rounded
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16));
+  };
+  __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+  std::memset(p, 0, lo * sizeof(bf16));
+  for (j = lo; j + 32 <= hi; j += 32) {
+    acc = _mm512_add_ps(acc, term(j));
+    acc2 = _mm512_add_ps(acc2, term(j + 16));
   }
-  float sum = _mm512_reduce_add_ps(acc);
+  for (; j + 16 <= hi; j += 16) acc = _mm512_add_ps(acc, term(j));
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
   for (; j < hi; ++j) {
     p[j] = bf16(std::exp(s[j] * scale - mn));
     sum += static_cast<float>(p[j]);

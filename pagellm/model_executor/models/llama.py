@@ -17,7 +17,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
-from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, GateUpSiluMul, replace_linears
+from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
+from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, CPUKernels, CPULinear, GateUpSiluMul, replace_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -210,19 +211,20 @@ class LlamaForCausalLM(nn.Module):
                                     meta.query_start_loc, bool(meta.prefill_rows), c and c.blocks, c and c.rows,
                                     c and c.kv_start)
 
-    def use_cpu_kernels(self, kernels: CPUKernels, fused: bool = True) -> None:
+    def use_cpu_kernels(self, kernels: CPUKernels) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,
         where the C++ decoder covers the model (bf16 on AMX, no q/k norms), the layer loop runs in C++."""
-        fused_mlps = [layer.mlp for layer in self.layers if GateUpSiluMul.applies(layer.mlp.gate_up_proj.weight, kernels)]
+        fused_mlps = [layer.mlp for layer in self.layers
+                      if GateUpSiluMul.applies(layer.mlp.gate_up_proj.weight, kernels)]
         for mlp in fused_mlps:  # the plain gate_up_proj stays, unpacked, for the reference path
             mlp.gate_up_silu = GateUpSiluMul(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, kernels, self.ops)
         replace_linears(self.layers, kernels, skip=tuple(m.gate_up_proj for m in fused_mlps))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
-        if fused:
-            self.decoder = self._build_decoder()
+        self.decoder = self._build_decoder()
 
     def _build_decoder(self):
+        """The C++ layer loop over this model's weights, or None where it does not apply (the Python loop runs)."""
         s, backend = self.shape, self.backend
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                         layer.mlp.down_proj)]
@@ -230,9 +232,6 @@ class LlamaForCausalLM(nn.Module):
                 or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)
                 or any(layer.mlp.gate_up_silu is None for layer in self.layers)):
             return None
-        from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
-        from pagellm.model_executor.layers.linear import AMX_MAX_ROWS
-
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, s.head_dim ** -0.5, AMX_MAX_ROWS, KERNEL_MAX_QUERY)
         no_bias = torch.empty(0, dtype=torch.bfloat16)

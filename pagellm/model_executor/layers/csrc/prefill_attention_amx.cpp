@@ -88,7 +88,8 @@ struct Scratch {
 // exp(x) for the softmax's x <= 0, to ~4e-5 relative: 2^n * (degree-4 Taylor polynomial of e^r), |r| <= ln2 / 2.
 // Its result is rounded to bf16 (2^-9 relative) right after, so the short polynomial moves a probability by one
 // bf16 step at most, and rarely; it is about half the instructions of vec.h's exp16, and the exponentials bound
-// this kernel. (SDPA's CPU flash kernel also uses a reduced-precision exp.)
+// this kernel. (SDPA's CPU flash kernel also uses a reduced-precision exp.) The clamp keeps results normal:
+// without it, scores far below the row maximum made denormals, each a slow microcode assist (measured slower).
 inline __m512 exp16_for_bf16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -103,7 +104,8 @@ inline __m512 exp16_for_bf16(__m512 x) {
 }
 
 // One pass of a row's online softmax: p[0, np) = exp(s * scale - m') over [lo, hi) as bf16, zero elsewhere, where
-// m' = max(m, the pass's scores); l = l * alpha + the sum of those (rounded) terms; returns alpha = exp(m - m'),
+// m' = max(m, the pass's scores); l = l * alpha + the sum of those terms (in fp32 before rounding, as SDPA's flash
+// kernel sums them); returns alpha = exp(m - m'),
 // the factor the row's running output is rescaled by. An empty range leaves m, l as they are (alpha 1).
 float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, float scale, float& m, float& l) {
   if (lo >= hi) {
@@ -124,11 +126,11 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
   const float mn = std::max(m, cm * scale);  // scale > 0
   const float alpha = std::exp(m - mn);      // m = -inf on the first pass: 0
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(mn);
-  // p[j..j+15] as bf16, and its terms as rounded (what P V will multiply) for the sum
+  // p[j..j+15] as bf16; returns the terms in fp32 for the sum
   auto term = [&](int64_t j) {
-    const __m256i e = (__m256i)_mm512_cvtneps_pbh(exp16_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), e);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16));
+    const __m512 e = exp16_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+    return e;
   };
   __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
   std::memset(p, 0, lo * sizeof(bf16));
@@ -139,8 +141,9 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
   for (; j + 16 <= hi; j += 16) acc = _mm512_add_ps(acc, term(j));
   float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
   for (; j < hi; ++j) {
-    p[j] = bf16(std::exp(s[j] * scale - mn));
-    sum += static_cast<float>(p[j]);
+    const float e = std::exp(s[j] * scale - mn);
+    p[j] = bf16(e);
+    sum += e;
   }
   std::memset(p + hi, 0, (np - hi) * sizeof(bf16));
   m = mn;

@@ -85,21 +85,21 @@ struct Scratch {
   alignas(64) float o[16 * 128];
 };
 
-// exp(x) for the softmax's x <= 0, to ~4e-5 relative: 2^n * (degree-4 Taylor polynomial of e^r), |r| <= ln2 / 2.
+// 2^x for the softmax's x <= 0 (its exponent in base 2: the scores' scale and the row maximum carry the log2(e)
+// factor, which saves a multiply), to ~4e-5 relative: 2^n * (degree-4 Taylor polynomial of 2^f), |f| <= 1/2.
 // Its result is rounded to bf16 (2^-9 relative) right after, so the short polynomial moves a probability by one
 // bf16 step at most, and rarely; it is about half the instructions of vec.h's exp16, and the exponentials bound
 // this kernel. (SDPA's CPU flash kernel also uses a reduced-precision exp.) The clamp keeps results normal:
 // without it, scores far below the row maximum made denormals, each a slow microcode assist (measured slower).
-inline __m512 exp16_for_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.f / 24);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+inline __m512 exp2_for_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.61812911e-3f);  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));  // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -125,10 +125,11 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
   for (; j < hi; ++j) cm = std::max(cm, s[j]);
   const float mn = std::max(m, cm * scale);  // scale > 0
   const float alpha = std::exp(m - mn);      // m = -inf on the first pass: 0
-  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(mn);
+  constexpr float kLog2e = 1.44269504f;
+  const __m512 vs = _mm512_set1_ps(scale * kLog2e), vm = _mm512_set1_ps(mn * kLog2e);
   // p[j..j+15] as bf16; returns the terms in fp32 for the sum
   auto term = [&](int64_t j) {
-    const __m512 e = exp16_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
+    const __m512 e = exp2_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
     return e;
   };

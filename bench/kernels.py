@@ -3,7 +3,7 @@
     .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
-several row counts. Attention: 64 decode rows over 362-token contexts in shuffled blocks, and 4 chunks after a
+several row counts; the fused element-wise ops against torch. Attention: 64 decode rows over 362-token contexts in shuffled blocks, and 4 chunks after a
 500-token context (where the C++ kernel hands over to SDPA). Argmax: greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
@@ -27,7 +27,7 @@ from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E4
 from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels  # noqa: E402
 
 
-def best_ms(fs: dict, rounds: int = 5) -> dict:
+def best_ms(fs: dict, rounds: int = 5, digits: int = 2) -> dict:
     """Median time of each function, measured round-robin (one call of each per round) so that a slow spell of
     the machine hits every column alike."""
     times = {name: [] for name in fs}
@@ -38,7 +38,7 @@ def best_ms(fs: dict, rounds: int = 5) -> dict:
             t = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t)
-    return {name: round(statistics.median(ts) * 1e3, 2) for name, ts in times.items()}
+    return {name: round(statistics.median(ts) * 1e3, digits) for name, ts in times.items()}
 
 
 def emit(**kw) -> None:
@@ -92,6 +92,31 @@ def attention() -> None:
              **best_ms({"amx": lambda: run(True), "sdpa": lambda: run(False)}, rounds=5))
 
 
+def small_ops(ops) -> None:
+    """The fused element-wise kernels against the torch ops they replace, on SmolLM2's shapes."""
+    for rows in (64, 2048):
+        gu = torch.randn(rows, 3072, dtype=torch.bfloat16)
+        act = torch.empty(rows, 1536, dtype=torch.bfloat16)
+        h, r, w = (torch.randn(rows, 576, dtype=torch.bfloat16), torch.randn(rows, 576, dtype=torch.bfloat16),
+                   torch.randn(576, dtype=torch.bfloat16))
+        qkv = torch.randn(rows, 960, dtype=torch.bfloat16)
+        q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+        cos, sin = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, 64, dtype=torch.bfloat16)
+        emit(bench="small ops, us", rows=rows, **{name: round(ms * 1e3, 1) for name, ms in best_ms({
+            "silu_and_mul": lambda: ops.silu_and_mul(gu, act),
+            "torch_silu_mul": lambda: F.silu(gu[:, :1536]) * gu[:, 1536:],
+            "add_rms_norm": lambda: ops.add_rms_norm(h, r, w, 1e-5),
+            "torch_add_rms_norm": lambda: torch_add_rms_norm(h, r, w),
+            "rotary": lambda: ops.rotary_embedding(q, k, cos, sin),
+        }, rounds=20, digits=4).items()})
+
+
+def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm
+    res = h + r
+    x = res.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(res.dtype), res
+
+
 def argmax(ops) -> None:
     logits = torch.randn(64, 49152, dtype=torch.bfloat16)
     out = torch.empty(64, dtype=torch.int64)
@@ -104,5 +129,6 @@ if __name__ == "__main__":
     ops = load_extension()
     torch.manual_seed(0)
     linears(ops)
+    small_ops(ops)
     attention()
     argmax(ops)

@@ -40,7 +40,6 @@ class CPUKernels:
     """The decode-sized linear kernels this process can use (decided once per model)."""
 
     amx: Callable | None = None  # torch.ops.pagellm.amx_linear
-    amx_silu_mul: Callable | None = None  # torch.ops.pagellm.amx_linear_silu_mul (with amx)
     gemv: Callable | None = None  # torch.ops.pagellm.small_m_linear
     onednn_packing: bool = False
 
@@ -61,41 +60,6 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype, device=weight.device)
     padded[:n] = weight.detach()
     return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
-    """[gate; up] (rows, or bias entries) -> their 16-row panels alternating: gate 0-15, up 0-15, gate 16-31, ..."""
-    gate, up = t.chunk(2)
-    return torch.stack([gate.unflatten(0, (-1, 16)), up.unflatten(0, (-1, 16))], 1).flatten(0, 2)
-
-
-class GateUpSiluMul(nn.Module):
-    """silu(x @ gate.T) * (x @ up.T) in one AMX pass (``csrc/amx_linear_cpu.cpp``) up to AMX_MAX_ROWS rows: the
-    gate and up products of one output column sit in the same tile block, so the [rows, 2 * intermediate] product
-    is never stored, and the packed copy is this one instead of a CPULinear's. Rounds as the unfused path does,
-    bit for bit. Longer prefill chunks take oneDNN on the plain weight and the separate silu_and_mul kernel: at
-    2,048 rows oneDNN's GEMM was ahead of the AMX kernel by more than the fused activation saves (in-process A/B,
-    147 against 172 ms for 30 layers)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels, ops) -> None:
-        super().__init__()
-        self.op, self.ops = kernels.amx_silu_mul, ops
-        self.weight, self.bias = weight, bias
-        self.width = weight.shape[0] // 2
-        self.packed = pack_amx(interleave_gate_up(weight.detach()))
-        self.packed_bias = None if bias is None else interleave_gate_up(bias.detach()).contiguous()
-
-    @staticmethod
-    def applies(weight: torch.Tensor, kernels: CPUKernels) -> bool:
-        return kernels.amx_silu_mul is not None and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.width, dtype=x.dtype, device=x.device)
-        if x.shape[0] <= AMX_MAX_ROWS:
-            self.op(x, self.packed, self.packed_bias, out)
-        else:
-            self.ops.silu_and_mul(F.linear(x, self.weight, self.bias), out)
-        return out
 
 
 class CPULinear(nn.Module):
@@ -151,15 +115,13 @@ def cpu_kernels(ops, dtype: torch.dtype) -> CPUKernels | None:
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
-    silu_mul = ops.amx_linear_silu_mul.default if amx is not None else None
-    kernels = CPUKernels(amx, silu_mul, gemv, amx is None and _onednn_packing_works(dtype))
+    kernels = CPUKernels(amx, gemv, amx is None and _onednn_packing_works(dtype))
     return kernels if (kernels.amx or kernels.gemv or kernels.onednn_packing) else None
 
 
-def replace_linears(model: nn.Module, kernels: CPUKernels, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Swap every ``nn.Linear`` under ``model`` (but those in ``skip``) for a ``CPULinear`` on the same parameters;
-    returns how many."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and m not in skip]
+def replace_linears(model: nn.Module, kernels: CPUKernels) -> int:
+    """Swap every ``nn.Linear`` under ``model`` for a ``CPULinear`` on the same parameters; returns how many."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
-from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, CPUKernels, CPULinear, GateUpSiluMul, replace_linears
+from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, CPUKernels, CPULinear, replace_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -129,11 +129,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
         self.ops = ops
-        self.gate_up_silu: GateUpSiluMul | None = None  # both projections and the activation in one kernel
 
     def forward(self, x):
-        if self.gate_up_silu is not None and x.dim() == 2 and x.stride(-1) == 1 and x.shape[0] > 0:
-            return self.down_proj(self.gate_up_silu(x))
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
             h = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)
@@ -214,11 +211,7 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_kernels(self, kernels: CPUKernels) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,
         where the C++ decoder covers the model (bf16 on AMX, no q/k norms), the layer loop runs in C++."""
-        fused_mlps = [layer.mlp for layer in self.layers
-                      if GateUpSiluMul.applies(layer.mlp.gate_up_proj.weight, kernels)]
-        for mlp in fused_mlps:  # the plain gate_up_proj stays, unpacked, for the reference path
-            mlp.gate_up_silu = GateUpSiluMul(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, kernels, self.ops)
-        replace_linears(self.layers, kernels, skip=tuple(m.gate_up_proj for m in fused_mlps))
+        replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
         self.decoder = self._build_decoder()
@@ -227,10 +220,9 @@ class LlamaForCausalLM(nn.Module):
         """The C++ layer loop over this model's weights, or None where it does not apply (the Python loop runs)."""
         s, backend = self.shape, self.backend
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.down_proj)]
+                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if (s.qk_norm or not getattr(backend, "amx_prefill", False) or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)
-                or any(layer.mlp.gate_up_silu is None for layer in self.layers)):
+                or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
             return None
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, s.head_dim ** -0.5, AMX_MAX_ROWS, KERNEL_MAX_QUERY)
@@ -238,11 +230,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for lin in (a.qkv_proj, a.o_proj, m.gate_up_silu, m.down_proj):
-                packed = lin.packed if lin is m.gate_up_silu else lin.amx_weight
-                tensors += [packed, lin.weight, no_bias if lin.bias is None else lin.bias]
-            if m.gate_up_silu.bias is not None:  # the fused kernel's bias is interleaved like its weight
-                tensors.append(m.gate_up_silu.packed_bias)
+            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias]
             decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0)
         return decoder
 

@@ -86,21 +86,7 @@ void store_block(const float* c, int64_t rows, int64_t n0, int64_t cols, const b
   }
 }
 
-// silu_and_mul's epilogue: c's 32 columns are 16 gate then 16 up columns (packed interleaved, pack_gate_up in
-// layers/linear.py) of y's columns o0 .. o0+15. Both are rounded to bf16 first, as the unfused path stores them,
-// so the result is fused_ops_cpu.cpp's silu_and_mul of the unfused GEMM's output bit for bit.
-void store_silu_block(const float* c, int64_t rows, int64_t n0, const bf16* bias, bf16* y, int64_t ldy) {
-  const bf16* dummy = nullptr;
-  for (int64_t m = 0; m < rows; ++m) {
-    __m512 g = _mm512_loadu_ps(c + m * 32), u = _mm512_loadu_ps(c + m * 32 + 16);
-    if (bias) g = _mm512_add_ps(g, load16(bias + n0)), u = _mm512_add_ps(u, load16(bias + n0 + 16));
-    g = round_to(g, dummy), u = round_to(u, dummy);
-    store16(y + m * ldy + n0 / 2, _mm512_mul_ps(round_to(silu16(g), dummy), u));
-  }
-}
-
-// The column blocks [nb0, nb1) (32 columns each) of y, all rows; SiluMul: y = silu_and_mul of them (half as wide).
-template <bool SiluMul>
+// The column blocks [nb0, nb1) (32 columns each) of y, all rows.
 void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n, int64_t N, int64_t nb0, int64_t nb1,
              const bf16* bias, bf16* y, int64_t ldy) {
   configure_tiles();
@@ -134,8 +120,7 @@ void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n
         else if (mt == 2) block<2, 1>(a, ld, b, kc_n, pf, c);
         else if (nt == 2) block<1, 2>(a, ld, b, kc_n, pf, c);
         else block<1, 1>(a, ld, b, kc_n, pf, c);
-        if (SiluMul) store_silu_block(c, rows, n0, bias, y + m0 * ldy, ldy);
-        else store_block(c, rows, n0, cols, bias, y + m0 * ldy, ldy);
+        store_block(c, rows, n0, cols, bias, y + m0 * ldy, ldy);
       }
     }
   }
@@ -153,20 +138,16 @@ bool amx_linear_supported() {
 #endif
 }
 
-namespace {
-
-// out [M, N] = x @ w^T + bias, or with silu_mul: out [M, N/2] = silu_and_mul of it (w packed interleaved).
-void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-         bool silu_mul) {
+// packed: [ceil(N/16), K/32, 16, 16, 2] bf16 (see above); x [M, K] with K % 32 == 0.
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
   TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 16 &&
               packed.size(4) == 2 && packed.size(1) * 32 == x.size(1), "packed: [N/16, K/32, 16, 16, 2]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
               out.scalar_type() == at::kBFloat16, "bfloat16 only");
-  const int64_t M = x.size(0), N = silu_mul ? 2 * out.size(1) : out.size(1);
+  const int64_t M = x.size(0), N = out.size(1);
   TORCH_CHECK(M >= 1 && out.size(0) == M && (N + 15) / 16 == packed.size(0), "out [M, N], N matches packed");
-  if (silu_mul) TORCH_CHECK(N % 32 == 0, "amx_linear_silu_mul: out's width must be a multiple of 16");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
                             "bias: bfloat16 [N]");
@@ -177,30 +158,13 @@ void run(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::
   auto* yp = out.data_ptr<bf16>();
   const int64_t blocks = (packed.size(0) + 1) / 2;
   at::parallel_for(0, blocks, 1, [&](int64_t nb0, int64_t nb1) {
-    if (silu_mul) columns<true>(xp, x.stride(0), M, bp, packed.size(1), N, nb0, nb1, bi, yp, out.stride(0));
-    else columns<false>(xp, x.stride(0), M, bp, packed.size(1), N, nb0, nb1, bi, yp, out.stride(0));
+    columns(xp, x.stride(0), M, bp, packed.size(1), N, nb0, nb1, bi, yp, out.stride(0));
   });
 #endif
-}
-
-}  // namespace
-
-// packed: [ceil(N/16), K/32, 16, 16, 2] bf16 (see above); x [M, K] with K % 32 == 0.
-void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out) {
-  run(x, packed, bias, out, false);
-}
-
-// The MLP's gate/up projection and silu_and_mul in one pass: packed holds [gate; up] with their 16-column panels
-// interleaved (gate 0-15, up 0-15, gate 16-31, ...), bias likewise; out [M, N/2].
-void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         at::Tensor out) {
-  run(x, packed, bias, out, true);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("amx_linear", c10::DispatchKey::CPU, &amx_linear);
-  m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
-  m.impl("amx_linear_silu_mul", c10::DispatchKey::CPU, &amx_linear_silu_mul);
   m.def("amx_linear_supported() -> bool", [] { return amx_linear_supported(); });
 }

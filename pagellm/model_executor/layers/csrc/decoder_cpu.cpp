@@ -10,9 +10,8 @@
 // Per layer, with the residual stream kept apart so each skip-add fuses into the next norm:
 //   h = add_rms_norm(h, residual)  (layer 0: rms_norm of the embeddings, which become the residual)
 //   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
-//   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu(h @ gate^T) * (h @ up^T))
-// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows, oneDNN (at::mm) above; up to
-// there the gate/up projection and its activation are one AMX kernel (GateUpSiluMul in linear.py).
+//   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu_and_mul(linear(h)))
+// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows, oneDNN (at::mm) above.
 // Attention: the paged kernel for decode rows and short chunks, the AMX prefill kernel for longer chunks, and
 // for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -39,7 +38,6 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
   int64_t window = 0;  // sliding window (0: none)
-  c10::optional<at::Tensor> gate_up_packed_bias;  // gate_up's bias in its packed (interleaved) order
   at::Tensor k_cache, v_cache;  // the paged views of this layer's cache (bind_cache)
 };
 
@@ -53,10 +51,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   // weights: input_norm, post_norm, then (packed, plain, bias) for qkv, o, gate_up, down; an empty bias: none.
-  // gate_up is packed for amx_linear_silu_mul (its 16-column panels of gate and up interleaved); with a bias, a
-  // 15th tensor holds it in that order.
   void add_layer(std::vector<at::Tensor> w, int64_t window) {
-    TORCH_CHECK(w.size() == 14 || w.size() == 15, "add_layer: 14 or 15 tensors, got ", w.size());
+    TORCH_CHECK(w.size() == 14, "add_layer: 14 tensors, got ", w.size());
     for (const auto& t : w) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "LlamaDecoder: bfloat16 weights only");
     auto linear = [&](size_t i) {
       Linear l{w[i], w[i + 1], c10::nullopt};
@@ -64,8 +60,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       return l;
     };
     Layer layer{w[0], w[1], linear(2), linear(5), linear(8), linear(11), window};
-    if (w.size() == 15) layer.gate_up_packed_bias = w[14];
-    TORCH_CHECK(layer.qkv.weight.size(0) == (H_ + 2 * Hkv_) * D_ && layer.gate_up.packed.size(0) * 16 == 2 * I_,
+    TORCH_CHECK(layer.qkv.weight.size(0) == (H_ + 2 * Hkv_) * D_ && layer.gate_up.weight.size(0) == 2 * I_,
                 "add_layer: weight shapes do not match the model's");
     layers_.push_back(std::move(layer));
   }
@@ -89,7 +84,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
     const auto opts = x.options();
     at::Tensor residual = x, h = at::empty_like(x);
     at::Tensor qkv = at::empty({T, q_size + 2 * kv_size}, opts), attn = at::empty({T, H_, D_}, opts);
-    at::Tensor act = at::empty({T, I_}, opts);
+    at::Tensor gate_up = at::empty({T, 2 * I_}, opts), act = at::empty({T, I_}, opts);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, H_, D_});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv_, D_});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_});
@@ -130,12 +125,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
       }
       PAGELLM_RANGE("pagellm.layer.mlp");
       norm(false, residual, h, L.post_norm);
-      if (T <= amx_max_rows_) {
-        PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
-        amx_linear_silu_mul(h, L.gate_up.packed, L.gate_up_packed_bias, act);
-      } else {
-        at::Tensor gate_up = at::empty({T, 2 * I_}, opts);
-        linear(h, L.gate_up, gate_up);
+      linear(h, L.gate_up, gate_up);
+      {
         PAGELLM_RANGE("pagellm::silu_and_mul");
         silu_and_mul(gate_up, act);
       }

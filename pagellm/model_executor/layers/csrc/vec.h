@@ -8,7 +8,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -103,15 +102,6 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
-}
-
-// silu(x) = x / (1 + exp(-x)), the division as x * (1 / d): 1/d from rcp14 and one Newton step (~2^-28, below
-// fp32's ulp), as the division would be the slowest instruction; d = inf (x < -88.7) gives 0, not inf * 0.
-inline __m512 silu16(__m512 x) {
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-  const __m512 r0 = _mm512_rcp14_ps(d);
-  const __mmask16 finite = _mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
-  return _mm512_mul_ps(x, _mm512_maskz_mul_ps(finite, r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.f))));
 }
 #endif
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.model_executor.layers.attention import CascadePrefix, TorchPagedAttention
+from pagellm.model_executor.layers.attention import TorchPagedAttention
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 
 
@@ -58,7 +58,7 @@ class CPUPagedAttention(TorchPagedAttention):
         """Decode rows and short chunks (up to KERNEL_MAX_QUERY rows) in one kernel call, K/V read in place; longer
         prefill chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call
         each. With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
-        ``_attend_prefix`` adds it."""
+        ``cascade_prefix_attention`` adds it."""
         kc, vc = self.views(kv_cache)
         self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -66,8 +66,8 @@ class CPUPagedAttention(TorchPagedAttention):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if cascade is not None else None
         self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                                  sliding_window or 0, KERNEL_MAX_QUERY, cascade.kv_start if cascade else None, lse)
-        if cascade is not None:
-            self._attend_prefix(q, out, lse, kc, vc, cascade, scale)
+        if cascade is not None:  # the shared prefix for all its rows at once, merged by log-sum-exp
+            self.ops.cascade_prefix_attention(q, kc, vc, cascade.blocks, cascade.rows, out, lse, scale)
         if not meta.prefill_rows:
             return out
         if self.amx_prefill and q.dtype == torch.bfloat16:
@@ -80,16 +80,3 @@ class CPUPagedAttention(TorchPagedAttention):
                 rows = slice(q0, q0 + qlen)
                 out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window)
         return out
-
-    def _attend_prefix(self, q, out, lse, kc, vc, c: CascadePrefix, scale: float) -> None:
-        """out[rows] holds attention over each row's own suffix (log-sum-exp in lse); attend the shared prefix for
-        all rows at once on AMX tiles and merge: the two parts weigh by their share of the softmax mass,
-        sigmoid(lse_prefix - lse_suffix) for the prefix."""
-        rows = c.rows
-        qr = q.index_select(0, rows)
-        o1 = torch.empty_like(qr)
-        lse1 = torch.empty(qr.shape[:2], dtype=torch.float32, device=q.device)
-        self.ops.prefix_attention_amx(qr, kc, vc, c.blocks, o1, lse1, scale)
-        w1 = torch.sigmoid(lse1 - lse.index_select(0, rows)).unsqueeze(-1)
-        merged = out.index_select(0, rows).float().lerp_(o1.float(), w1)
-        out.index_copy_(0, rows, merged.to(out.dtype))

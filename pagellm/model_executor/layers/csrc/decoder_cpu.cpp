@@ -114,7 +114,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
                             kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
                             casc ? c10::optional<at::Tensor>(lse) : c10::nullopt);
           }
-          if (casc) attend_prefix(q, attn, lse, L, *cascade_blocks, *cascade_rows);
+          if (casc) {
+            PAGELLM_RANGE("pagellm::cascade_prefix_attention");
+            cascade_prefix_attention(q, L.k_cache, L.v_cache, *cascade_blocks, *cascade_rows, attn, lse, scale_);
+          }
           if (prefill) {
             PAGELLM_RANGE("pagellm::prefill_attention_amx");
             prefill_attention_amx(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_,
@@ -152,19 +155,6 @@ class LlamaDecoder : public torch::CustomClassHolder {
     } else {
       at::mm_out(out, x, l.weight.t());
     }
-  }
-
-  // out[rows] holds attention over each row's own suffix (log-sum-exp in lse); attend the shared prefix for all
-  // rows at once on AMX tiles and merge, the prefix weighing sigmoid(lse_prefix - lse_suffix) (cpu_attention.py).
-  void attend_prefix(const at::Tensor& q, at::Tensor& out, const at::Tensor& lse, const Layer& L,
-                     const at::Tensor& blocks, const at::Tensor& rows) const {
-    PAGELLM_RANGE("pagellm::prefix_attention_amx");
-    const at::Tensor qr = q.index_select(0, rows);
-    at::Tensor o1 = at::empty_like(qr), lse1 = at::empty({qr.size(0), H_}, lse.options());
-    prefix_attention_amx(qr, L.k_cache, L.v_cache, blocks, o1, lse1, scale_);
-    const at::Tensor w1 = at::sigmoid(lse1 - lse.index_select(0, rows)).unsqueeze(-1);
-    const at::Tensor merged = out.index_select(0, rows).to(at::kFloat).lerp_(o1.to(at::kFloat), w1);
-    out.index_copy_(0, rows, merged.to(out.scalar_type()));
   }
 
   int64_t H_, Hkv_, D_, I_;

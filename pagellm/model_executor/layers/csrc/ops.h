@@ -26,3 +26,6 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
                            at::Tensor out, double scale, int64_t window, int64_t min_query_len);
 void prefix_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& blocks, at::Tensor out, at::Tensor lse, double scale);
+void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& blocks, const at::Tensor& rows, at::Tensor out, const at::Tensor& lse,
+                              double scale);

@@ -20,7 +20,7 @@
 // ``python bench/kernels.py`` (bf16, 2 cores, medians): 4 prompts of 300, 2 of 512, a 512- and a 2048-row chunk
 // after ~5-6.5k tokens take 2.1, 2.2, 19.1, 62.8 ms against SDPA's 4.1, 3.5, 28.0, 108.5 ms. The softmax's
 // exponentials, not the tile multiplies, bound it (as they bound SDPA), hence the short exp below.
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -376,7 +376,25 @@ void prefix_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const 
 #endif
 }
 
+// Cascade attention for the rows sharing a prefix: out[rows] holds each row's attention over the rest of its
+// context (its log-sum-exp in lse [T, H]); this attends the shared prefix's blocks for all those rows at once and
+// merges the two parts, the prefix weighing sigmoid(lse_prefix - lse_rest), its share of the softmax mass.
+void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& blocks, const at::Tensor& rows, at::Tensor out, const at::Tensor& lse,
+                              double scale) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [R]");
+  const at::Tensor qr = q.index_select(0, rows);
+  at::Tensor o1 = at::empty_like(qr), lse1 = at::empty({qr.size(0), qr.size(1)}, lse.options());
+  prefix_attention_amx(qr, k_cache, v_cache, blocks, o1, lse1, scale);
+  const at::Tensor w1 = at::sigmoid(lse1 - lse.index_select(0, rows)).unsqueeze(-1);
+  const at::Tensor merged = out.index_select(0, rows).to(at::kFloat).lerp_(o1.to(at::kFloat), w1);
+  out.index_copy_(0, rows, merged.to(out.scalar_type()));
+}
+
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("cascade_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor rows, "
+        "Tensor(a!) out, Tensor lse, float scale) -> ()");
+  m.impl("cascade_prefix_attention", c10::DispatchKey::CPU, &cascade_prefix_attention);
   m.def("prefill_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, Tensor(a!) out, float scale, int window, int min_query_len) -> ()");
   m.impl("prefill_attention_amx", c10::DispatchKey::CPU, &prefill_attention_amx);

@@ -145,6 +145,21 @@ def test_amx_linear_matches_fp32_matmul(rows):
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+def test_bf16_stores_round_denormals_and_nan_as_torch():
+    # the kernels' bf16 stores take AVX512-BF16's conversion, which flushes denormals to zero; a vector holding
+    # one must still round as torch does (add_rms_norm stores residual = x + residual). NaN stays NaN (torch's
+    # own vectorised and scalar conversions differ in the NaN's bits).
+    x = torch.full((2, 64), 1e-39).bfloat16()  # denormal in bf16 as in fp32
+    r = torch.full((2, 64), 2e-39).bfloat16()
+    x[1, 5] = float("nan")
+    want = (x.float() + r.float()).bfloat16()
+    ops.add_rms_norm(x, r, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    nan = want.isnan()
+    assert torch.equal(r.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(r.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert r[0, 0].item() != 0.0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
     torch.manual_seed(7)

@@ -274,7 +274,6 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   });
 }
 
-// Scatter this step's K/V rows into their slots (slot = block * B + offset; negative slots are skipped).
 // One token of one kv head into 16-bit caches: K as D/2 whole 32-bit words (one per dim pair, B words apart),
 // V into its half (odd: upper) of each of the D words of its token-pair row, 16 dims per masked store.
 template <typename T>
@@ -293,6 +292,7 @@ inline void write_pairs(const T* ks, T* kd, const T* vs, T* vd, int64_t D, int64
   for (; d < D; ++d) vd[2 * d + odd] = vs[d];
 }
 
+// Scatter this step's K/V rows into their slots (slot = block * B + offset; negative slots are skipped).
 template <typename T>
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                  const at::Tensor& slots) {

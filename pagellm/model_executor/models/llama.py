@@ -225,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
                 or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
             return None
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-                                                     s.eps, s.head_dim ** -0.5, AMX_MAX_ROWS, KERNEL_MAX_QUERY)
+                                                     s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
+                                                     KERNEL_MAX_QUERY)
         no_bias = torch.empty(0, dtype=torch.bfloat16)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

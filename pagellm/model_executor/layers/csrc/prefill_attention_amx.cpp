@@ -121,8 +121,11 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
     vmax2 = _mm512_max_ps(vmax2, _mm512_loadu_ps(s + j + 16));
   }
   for (; j + 16 <= hi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+  // The last hi - j < 16 scores under a mask: a causal row ends anywhere, and a scalar tail (with std::exp below)
+  // cost more than the vector part on prompts of a few hundred tokens.
+  const __mmask16 tail = static_cast<__mmask16>((1u << (hi - j)) - 1);
+  if (tail) vmax2 = _mm512_mask_max_ps(vmax2, tail, vmax2, _mm512_maskz_loadu_ps(tail, s + j));
   cm = _mm512_reduce_max_ps(_mm512_max_ps(vmax, vmax2));
-  for (; j < hi; ++j) cm = std::max(cm, s[j]);
   const float mn = std::max(m, cm * scale);  // scale > 0
   const float alpha = std::exp(m - mn);      // m = -inf on the first pass: 0
   constexpr float kLog2e = 1.44269504f;
@@ -140,12 +143,13 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
     acc2 = _mm512_add_ps(acc2, term(j + 16));
   }
   for (; j + 16 <= hi; j += 16) acc = _mm512_add_ps(acc, term(j));
-  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
-  for (; j < hi; ++j) {
-    const float e = std::exp(s[j] * scale - mn);
-    p[j] = bf16(e);
-    sum += e;
+  if (tail) {  // the same last scores as above (j ran the same steps from lo); lanes past hi zeroed before the sum
+    const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, s + j), vs, vm);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_for_bf16(x));
+    _mm256_mask_storeu_epi16(p + j, tail, (__m256i)_mm512_cvtneps_pbh(e));
+    acc2 = _mm512_add_ps(acc2, e);
   }
+  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
   std::memset(p + hi, 0, (np - hi) * sizeof(bf16));
   m = mn;
   l = l * alpha + sum;
@@ -280,7 +284,7 @@ void run_tasks(const Args& a, std::vector<Task>& tasks, const at::Tensor& q, con
   auto* op = out.data_ptr<bf16>();
   run_largest_first(tasks, [&](auto next) {
     configure_tiles();  // tile state is per thread
-    Scratch w;
+    static thread_local Scratch w;  // kept between calls: growing a vector of bf16 fills it element by element
     while (const Task* t = next()) run_task(a, *t, qp, kc, vc, op, w);
     _tile_release();
   });

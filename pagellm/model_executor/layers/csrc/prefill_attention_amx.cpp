@@ -121,8 +121,8 @@ float softmax_pass(const float* s, bf16* p, int64_t np, int64_t lo, int64_t hi, 
     vmax2 = _mm512_max_ps(vmax2, _mm512_loadu_ps(s + j + 16));
   }
   for (; j + 16 <= hi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  // The last hi - j < 16 scores under a mask: a causal row ends anywhere, and a scalar tail (with std::exp below)
-  // cost more than the vector part on prompts of a few hundred tokens.
+  // The last hi - j < 16 scores under a mask: a causal row ends anywhere, and a scalar tail (one std::exp per
+  // score) cost more than the vector part on prompts of a few hundred tokens.
   const __mmask16 tail = static_cast<__mmask16>((1u << (hi - j)) - 1);
   if (tail) vmax2 = _mm512_mask_max_ps(vmax2, tail, vmax2, _mm512_maskz_loadu_ps(tail, s + j));
   cm = _mm512_reduce_max_ps(_mm512_max_ps(vmax, vmax2));

@@ -3,8 +3,9 @@
     .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
-several row counts; the fused element-wise ops against torch. Attention: 64 decode rows over 362-token contexts in shuffled blocks, and 4 chunks after a
-500-token context (where the C++ kernel hands over to SDPA). Argmax: greedy sampling over [64, 49152] logits.
+several row counts; the fused element-wise ops against torch. Attention: 64 decode rows over 362-token contexts
+in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA). Argmax:
+greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
 from __future__ import annotations

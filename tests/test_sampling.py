@@ -9,7 +9,9 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
-from pagellm.model_executor.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p
+from pagellm.model_executor.layers.cpu_kernels import load_extension
+from pagellm.model_executor.sampler import (SamplingMetadata, _inverse_cdf, apply_penalties, apply_top_k_top_p_min_p,
+                                             top_k_top_p_probs)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,56 @@ def test_top_k_top_p_min_p_masks():
               min_p=torch.tensor([0.0, 0.0, 0.1]))
     kept = torch.isfinite(apply_top_k_top_p_min_p(logits, m))
     assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
+
+
+# The C++ kernel (histogram cut) and the torch path (most likely tokens, whole-row sort when they do not settle).
+CUTS = {"cpp": load_extension(), "torch": None}
+
+
+@pytest.mark.parametrize("path", CUTS)
+def test_top_k_top_p_probs_match_the_reference(path):
+    """Kept tokens and their probabilities equal the full-sort reference's, for peaked and flat rows (a flat row's
+    nucleus holds thousands of tokens: past the torch path's first candidates), top-k alone, top-p alone, both,
+    neither, and rows with tokens masked to -inf."""
+    torch.manual_seed(0)
+    vocab = 5000
+    scale = torch.tensor([[3.0], [0.05], [1.0], [0.5], [2.0], [0.01], [30.0], [1.0], [8.0]])
+    logits = torch.randn(len(scale), vocab) * scale
+    logits[7, 100:] = float("-inf")
+    logits[8, ::2] = float("-inf")
+    top_k = torch.tensor([0, 0, 40, 1000, 0, 3000, 0, 200, 300])
+    top_p = torch.tensor([0.9, 0.99, 0.5, 0.95, 1.0, 0.999, 0.3, 0.97, 0.8])
+    want = apply_top_k_top_p_min_p(logits, _meta(len(scale), top_k=top_k, top_p=top_p)).softmax(-1)
+    got = top_k_top_p_probs(logits, top_k, top_p, CUTS[path])
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.equal(got > 0, want > 0), ((got > 0).sum(-1), (want > 0).sum(-1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert (want > 0).sum(-1).tolist()[:3] == [86, 4943, 17]  # the cases above are the ones meant
+
+
+@pytest.mark.parametrize("path", CUTS)
+def test_top_k_keeps_the_lowest_ids_among_tied_logits(path):
+    """Ties at the cut keep token-id order, whatever else is in the batch (the torch path looks at more
+    candidates when another row asks for a larger k)."""
+    row = torch.full((600,), -5.0)
+    row[[7, 3, 400, 9, 250]] = 2.0  # five tied for first
+    row[100] = 4.0
+    alone = top_k_top_p_probs(row[None], torch.tensor([3]), None, CUTS[path])
+    with_big_k = top_k_top_p_probs(torch.stack([row, row]), torch.tensor([3, 550]), None, CUTS[path])
+    for probs in (alone[0], with_big_k[0]):
+        assert (probs > 0).nonzero().squeeze(1).tolist() == [3, 7, 100]
+    # top-p 0.7: 4.0 holds 57% of the mass and each 2.0 another 7.7%: 4.0, then the 2.0s from id 3 up while the
+    # mass before them is at most 70%
+    nucleus = top_k_top_p_probs(row[None], None, torch.tensor([0.7]), CUTS[path])[0]
+    assert (nucleus > 0).nonzero().squeeze(1).tolist() == [3, 7, 100]
+
+
+def test_inverse_cdf_draws_in_proportion():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(10_000, 1) * 7.0  # unnormalised is fine
+    u = (torch.arange(10_000) + 0.5) / 10_000
+    counts = torch.bincount(_inverse_cdf(probs, u), minlength=5)
+    assert counts.tolist() == [1000, 0, 6000, 3000, 0]
+    assert _inverse_cdf(probs[:1], torch.tensor([1.0 - 2 ** -24])).item() == 3  # never the zero tail
 
 
 @pytest.mark.parametrize("field,value", [

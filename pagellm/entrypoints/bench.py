@@ -117,7 +117,8 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
                  use_tqdm=False)
     engine.reset_stats()
 
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=out_len,
+                            ignore_eos=True)
     profiler = _start_profiler() if a.profile else None
     t0 = time.perf_counter()
     outs, token_times = _generate_timed(llm, prompts, params)
@@ -138,6 +139,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
         "kv_cache_mb": round(st.kv_cache_bytes / 2**20, 1), "peak_kv_blocks_used": st.peak_used_blocks,
         "preemptions": st.num_preemptions, "prompt_tokens_computed": st.prompt_tokens_computed,
         "steps": st.num_steps, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
         "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
         "prefix_caching": engine.config.enable_prefix_caching,
         "prefix_cache_hit_rate": round(engine.kv_manager.prefix_hit_rate, 4),

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--profile", action="store_true",
                    help="torch profiler: seconds per phase (schedule, inputs, forward, attention, mlp, sample, "
                         "detokenize) in the JSON line, top ops on stderr")
+    t.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy, as the workloads specify")
+    t.add_argument("--top-p", type=float, default=1.0)
+    t.add_argument("--top-k", type=int, default=0)
     _engine_args(t)
     from pagellm.entrypoints.bench import cmd_throughput
     t.set_defaults(func=cmd_throughput)

@@ -1,9 +1,12 @@
 """Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 All work is tensor work over the [num_requests, vocab] logits; per-request values arrive as tensors in
-``SamplingMetadata``. Random rows sample by the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which
-equals sampling from ``p``; a request with a seed draws its ``E`` row from its own generator, so its tokens do
-not depend on which other requests share the batch.
+``SamplingMetadata``. Nothing sorts or draws over the whole vocabulary: on [64, 49152] logits a full sort takes
+~100-170 ms and one exponential per logit ~100 ms, several times a model step. Top-k / top-p find each row's cut
+from a histogram of its logits (C++ kernel, CPU) or from its most likely tokens (``torch.topk``, elsewhere; a row
+those do not settle is sorted whole), and every random row draws one uniform and inverts its cumulative
+distribution. A request with a seed draws its uniform from its own generator, and tokens with equal logits keep
+one order (token id ascending), so its tokens do not depend on which other requests share the batch.
 """
 from __future__ import annotations
 
@@ -62,11 +65,18 @@ def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     return logits - m.presence_penalty[:, None] * (out_counts > 0).to(logits.dtype)
 
 
+def apply_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    if m.min_p is None:
+        return logits
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * m.min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    if m.min_p is not None:
-        probs = logits.softmax(-1)
-        threshold = probs.amax(-1, keepdim=True) * m.min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    """The reference: every row's logits with the tokens min-p, top-k and top-p remove set to -inf, through a full
+    sort (``sample_random`` takes the same cut from each row's most likely tokens only)."""
+    logits = apply_min_p(logits, m)
     if m.top_k is None and m.top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -85,7 +95,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
 
 class Sampler:
     def __init__(self, ops=None) -> None:
-        self.ops = ops  # the CPU kernels (argmax_rows), or None
+        self.ops = ops  # the CPU kernels (argmax_rows, top_k_top_p_probs), or None
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step. A plain greedy batch
@@ -102,18 +112,14 @@ class Sampler:
             logits = logits.index_put((m.stop_mask_rows, m.stop_mask_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))
 
-        greedy_tokens = self._argmax(logits)
         if m.all_greedy:
-            sampled = greedy_tokens
+            sampled = self._argmax(logits)
         else:
             temp = torch.where(m.temperature > 0, m.temperature, 1.0)
-            scaled = apply_top_k_top_p_min_p(logits / temp[:, None], m)
-            probs = scaled.softmax(-1)
-            e = torch.empty_like(probs).exponential_()
-            for row, gen in m.generators.items():
-                e[row].exponential_(generator=gen)
-            random_tokens = (probs / e).argmax(-1)
-            sampled = torch.where(m.temperature > 0, random_tokens, greedy_tokens)
+            sampled = sample_random(logits / temp[:, None], m, self.ops)
+            greedy = m.temperature == 0
+            if bool(greedy.any()):
+                sampled = torch.where(greedy, self._argmax(logits), sampled)
 
         if m.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None, None)
@@ -130,3 +136,98 @@ class Sampler:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self.ops.argmax_rows(logits, out)  # torch's CPU argmax is several times slower on [64, 49152]
         return out
+
+
+FIRST_CANDIDATES = 256  # the torch path looks at this many tokens of a top-k / top-p row first
+
+
+def sample_random(logits: torch.Tensor, m: SamplingMetadata, ops=None) -> torch.Tensor:
+    """One token per row from softmax(logits) under the rows' min-p, top-k and top-p ([R, V] fp32, temperature
+    applied): one uniform per row inverts the row's cumulative distribution, in token-id order."""
+    probs = top_k_top_p_probs(apply_min_p(logits, m), m.top_k, m.top_p, ops)
+    return _inverse_cdf(probs, _uniforms(m, logits.shape[0], logits.device))
+
+
+def top_k_top_p_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      ops=None) -> torch.Tensor:
+    """[R, V] probabilities, unnormalised, with 0 for the tokens top-k and top-p remove (top_k: [R], 0 = off;
+    top_p: [R], 1 = off; either None when no row uses it). On CPU the C++ kernel takes each row's cut from a
+    histogram of its logits; elsewhere ``_candidates`` takes it from the rows' most likely tokens."""
+    if top_k is None and top_p is None:
+        return (logits - logits.amax(-1, keepdim=True)).exp()
+    r = logits.shape[0]
+    if top_k is None:
+        top_k = torch.zeros(r, dtype=torch.int64, device=logits.device)
+    if top_p is None:
+        top_p = torch.ones(r, dtype=torch.float32, device=logits.device)
+    if ops is not None and logits.is_cpu:
+        out = torch.empty_like(logits)
+        ops.top_k_top_p_probs(logits.contiguous(), top_k.contiguous(), top_p.float().contiguous(), out)
+        return out
+    probs = (logits - logits.amax(-1, keepdim=True)).exp()
+    rows = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1)
+    if rows.numel():
+        vocab = logits.shape[1]
+        n = min(vocab, max(FIRST_CANDIDATES, int(top_k[rows].max()) + 1))  # one past the largest k: its tie shows
+        ids, cand, settled = _candidates(logits[rows], top_k[rows], top_p[rows], n)
+        done, rest = rows[settled], rows[~settled]
+        probs[done] = torch.zeros_like(probs[done]).scatter_(1, ids[settled], cand[settled].softmax(-1))
+        if rest.numel():  # rows whose cut the first candidates do not settle: all their tokens, in order
+            ids, cand, _ = _candidates(logits[rest], top_k[rest], top_p[rest], vocab)
+            probs[rest] = torch.zeros_like(probs[rest]).scatter_(1, ids, cand.softmax(-1))
+    return probs
+
+
+def _candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's n most likely tokens and their logits, -inf where top-k or top-p removes them ([R, n] ids and
+    logits, logit descending, then id ascending), and whether that settles the row's cut ([R] bool; always with
+    n = vocab). A top-k row is settled when its k-th logit is above the smallest candidate (else tokens tied with
+    it may be missing); a top-p row without top-k when the candidates above the smallest one hold more than p of
+    the row's mass (every other token then comes after more than p).
+    """
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    vals, ids = _canonical_topk(logits, n)
+    remove = torch.arange(n, device=logits.device)[None, :] >= k[:, None]
+    lse = vals.masked_fill(remove, float("-inf")).logsumexp(-1)  # top-p's mass is over what top-k keeps
+    if bool((k == vocab).any()):
+        lse = torch.where(k == vocab, logits.logsumexp(-1), lse)
+    probs = (vals - lse[:, None]).exp().masked_fill(remove, 0.0)
+    before = probs.cumsum(-1) - probs  # mass strictly before each token; the first is always kept
+    remove |= before > top_p[:, None]
+    if n == vocab:
+        return ids, vals.masked_fill(remove, float("-inf")), torch.ones_like(k, dtype=torch.bool)
+    last = vals[:, -1:]
+    kth = vals.gather(1, (k.clamp(max=n) - 1)[:, None]).squeeze(1)
+    settled = torch.where(k < vocab, kth > last.squeeze(1),
+                          (top_p >= 1.0) | (probs.masked_fill(vals <= last, 0.0).sum(-1) > top_p))
+    return ids, vals.masked_fill(remove, float("-inf")), settled
+
+
+def _canonical_topk(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest logits of each row and their ids, logit descending, then id ascending among ties: one order
+    whatever n is (n depends on the other rows of the batch)."""
+    if n >= logits.shape[1]:
+        return logits.sort(dim=-1, descending=True, stable=True)
+    vals, ids = logits.topk(n, dim=-1, sorted=False)
+    ids, order = ids.sort(dim=-1)
+    vals, order2 = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order2)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds u * total ([R, N] probs, unnormalised; [R] u
+    in [0, 1)): a draw from probs; zero-probability entries are never chosen."""
+    c = probs.cumsum(-1)
+    idx = torch.searchsorted(c, u[:, None] * c[:, -1:], right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def _uniforms(m: SamplingMetadata, r: int, device) -> torch.Tensor:
+    """One uniform per row; a seeded row's from its own generator."""
+    u = torch.rand(r, device=device)
+    for row, gen in m.generators.items():
+        u[row] = torch.rand(1, generator=gen, device=gen.device).to(device)[0]
+    return u
+

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``csrc/``): paged attention, the KV-cache writer and the fused element-wise ops.
+"""The C++ CPU kernels (``csrc/``): paged attention, the KV-cache writer, the fused element-wise ops and sampling.
 
 They are compiled once with ``torch.utils.cpp_extension`` into the pagellm cache dir, keyed by a hash of the
 sources and the torch version (``make model`` or ``python -m pagellm.model_executor.layers.cpu_kernels`` does
@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger("pagellm")
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_amx.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp",
-            "amx_linear_cpu.cpp", "decoder_cpu.cpp")
+            "amx_linear_cpu.cpp", "decoder_cpu.cpp", "sampling_cpu.cpp")
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,192 @@
+// top_k_top_p_probs: each row's unnormalised probabilities exp(logit - max) with the tokens top-k and top-p remove
+// set to 0, without sorting the vocabulary.
+//
+// Semantics (those of sampler.apply_top_k_top_p_min_p, vLLM's): order a row's tokens by logit descending (ties:
+// token id ascending); top-k keeps the first k; top-p then keeps each token whose mass strictly before it, as a
+// share of what top-k kept, is at most p (so the first token always stays).
+//
+// Only the tokens near a cut need ordering. A histogram of each token's distance below the row's maximum logit
+// (kBucketsPerUnit buckets per unit of logit) gives, per bucket, the tokens and the mass it holds; the cut lies in
+// the first bucket whose cumulative count reaches k (top-k) or whose cumulative mass passes p (top-p). Tokens in
+// the buckets before it are all kept, those after it all removed, and only the cut bucket's tokens (for top-k: the
+// buckets up to it, k tokens or a few more) are sorted. On [64, 49152] logits a full sort takes ~100-170 ms in
+// torch; this takes a few ms.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+using namespace pagellm;
+
+constexpr int kBuckets = 512;
+constexpr float kBucketsPerUnit = 16.f;  // buckets cover logits down to 32 below the maximum; the last takes the rest
+
+struct Scratch {
+  std::vector<int32_t> bucket;  // [V] each token's bucket
+  std::vector<int32_t> ids;     // tokens to order
+};
+
+// Sorts ids by logit descending, then id ascending.
+void order(std::vector<int32_t>& ids, const float* l) {
+  std::sort(ids.begin(), ids.end(), [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+}
+
+// Branch-free (the buckets of neighbouring tokens are unrelated, a branch per token mispredicts often): sets
+// e = 0 for the tokens in buckets after `last`, and lists in w.ids the tokens in buckets [first, last].
+void split(const int32_t* bk, int64_t V, int first, int last, float* e, Scratch& w) {
+  w.ids.resize(V);
+  int32_t* out = w.ids.data();
+  int64_t n = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512i vf = _mm512_set1_epi32(first), vl = _mm512_set1_epi32(last);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= V; j += 16) {
+    const __m512i b = _mm512_loadu_si512(bk + j);
+    const __mmask16 after = _mm512_cmpgt_epi32_mask(b, vl);
+    _mm512_mask_storeu_ps(e + j, after, _mm512_setzero_ps());
+    const __mmask16 in = _mm512_mask_cmpge_epi32_mask(static_cast<__mmask16>(~after), b, vf);
+    _mm512_mask_compressstoreu_epi32(out + n, in, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j))));
+    n += __builtin_popcount(in);
+  }
+#endif
+  for (; j < V; ++j) {
+    if (bk[j] > last) e[j] = 0.f;
+    else if (bk[j] >= first) out[n++] = static_cast<int32_t>(j);
+  }
+  w.ids.resize(n);
+}
+
+void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w) {
+  // The maximum, then e = exp(l - max) (exactly 0 for -inf logits: masked tokens) and each token's bucket.
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; i + 16 <= V; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(l + i));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < V; ++i) mx = std::max(mx, l[i]);
+  w.bucket.resize(V);
+  int32_t* bk = w.bucket.data();
+  float total = 0.f;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(kBucketsPerUnit);
+  const __m512 vlast = _mm512_set1_ps(static_cast<float>(kBuckets - 1));
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= V; i += 16) {
+    const __m512 x = _mm512_loadu_ps(l + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 v = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, vmx)));
+    _mm512_storeu_ps(e + i, v);
+    acc = _mm512_add_ps(acc, v);
+    // min() before the conversion: a -inf logit's distance is +inf
+    const __m512 b = _mm512_min_ps(_mm512_mul_ps(_mm512_sub_ps(vmx, x), vscale), vlast);
+    _mm512_storeu_si512(bk + i, _mm512_cvttps_epi32(_mm512_mask_mov_ps(vlast, live, b)));
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < V; ++i) {
+    const bool live = l[i] != -std::numeric_limits<float>::infinity();
+    e[i] = live ? std::exp(l[i] - mx) : 0.f;
+    total += e[i];
+    bk[i] = live ? static_cast<int32_t>(std::min((mx - l[i]) * kBucketsPerUnit, float(kBuckets - 1))) : kBuckets - 1;
+  }
+  // Four partial histograms by turns: consecutive tokens often share a bucket, and one histogram would chain
+  // every update on the previous one's store.
+  int32_t count4[4][kBuckets] = {};
+  float mass4[4][kBuckets] = {};
+  int64_t j = 0;
+  for (; j + 4 <= V; j += 4) {
+    for (int t = 0; t < 4; ++t) {
+      ++count4[t][bk[j + t]];
+      mass4[t][bk[j + t]] += e[j + t];
+    }
+  }
+  for (; j < V; ++j) {
+    ++count4[0][bk[j]];
+    mass4[0][bk[j]] += e[j];
+  }
+  int32_t count[kBuckets];
+  float mass[kBuckets];
+  for (int b = 0; b < kBuckets; ++b) {
+    count[b] = count4[0][b] + count4[1][b] + count4[2][b] + count4[3][b];
+    mass[b] = (mass4[0][b] + mass4[1][b]) + (mass4[2][b] + mass4[3][b]);
+  }
+
+  if (k < V) {
+    // The first bucket whose cumulative count reaches k; the k first of the tokens up to it, in order, stay.
+    int b = 0;
+    for (int64_t seen = count[0]; seen < k && b < kBuckets - 1;) seen += count[++b];
+    split(bk, V, 0, b, e, w);
+    order(w.ids, l);
+    for (size_t j = k; j < w.ids.size(); ++j) e[w.ids[j]] = 0.f;
+    w.ids.resize(k);
+    if (p < 1.f) {
+      float kept = 0.f;
+      for (int32_t id : w.ids) kept += e[id];
+      const float limit = p * kept;
+      float before = 0.f;
+      for (int32_t id : w.ids) {
+        const float x = e[id];
+        if (before > limit) e[id] = 0.f;
+        before += x;
+      }
+    }
+    return;
+  }
+  if (p >= 1.f) return;
+  // The first bucket whose cumulative mass passes p: tokens before it stay, after it go, inside it in order.
+  const float limit = p * total;
+  int b = 0;
+  float below = 0.f;  // the mass of the buckets before b
+  while (b < kBuckets - 1 && below + mass[b] <= limit) below += mass[b++];
+  split(bk, V, b, b, e, w);
+  order(w.ids, l);
+  float before = below;
+  for (int32_t id : w.ids) {
+    const float x = e[id];
+    if (before > limit) e[id] = 0.f;
+    before += x;
+  }
+}
+
+}  // namespace
+
+// logits: fp32 [R, V] (rows contiguous); top_k: int64 [R] (0: off); top_p: fp32 [R] (1: off); out: fp32 [R, V].
+void top_k_top_p_probs(const at::Tensor& logits, const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor out) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits: float32 [rows, vocab] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocab size out of range");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R, "top_k: int64 [rows]");
+  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.is_contiguous() && top_p.numel() == R,
+              "top_p: float32 [rows]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == V &&
+              out.stride(1) == 1, "out: float32 [rows, vocab] with contiguous rows");
+  const float* lp = logits.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    static thread_local Scratch w;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t k = kp[r] > 0 ? std::min(kp[r], V) : V;
+      cut_row(lp + r * logits.stride(0), V, k, pp[r], op + r * out.stride(0), w);
+    }
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("top_k_top_p_probs(Tensor logits, Tensor top_k, Tensor top_p, Tensor(a!) out) -> ()");
+  m.impl("top_k_top_p_probs", c10::DispatchKey::CPU, &top_k_top_p_probs);
+}

@@ -183,6 +183,27 @@ def test_top_k_keeps_the_lowest_ids_among_tied_logits(path):
     assert (nucleus > 0).nonzero().squeeze(1).tolist() == [3, 7, 100]
 
 
+def test_sample_rows_draws_as_the_torch_path():
+    """The C++ sampler (temperature, cut and draw in one call) picks, for the same uniforms, the tokens the torch
+    path's inverse CDF picks; never a removed token."""
+    ops = CUTS["cpp"]
+    torch.manual_seed(1)
+    n_u, vocab = 2000, 3000
+    base = torch.randn(4, vocab) * torch.tensor([[2.0], [0.3], [5.0], [1.0]])
+    base[3, 1000:] = float("-inf")
+    params = [(0.7, 0, 0.9), (1.3, 50, 1.0), (1.0, 20, 0.6), (0.5, 0, 1.0)]  # temperature, top_k, top_p
+    u = (torch.arange(n_u) + 0.5) / n_u
+    for row, (t, k, p) in zip(base, params):
+        logits = row[None].repeat(n_u, 1)
+        temp, top_k, top_p = torch.full((n_u,), t), torch.full((n_u,), k), torch.full((n_u,), p)
+        got = torch.empty(n_u, dtype=torch.int64)
+        ops.sample_rows(logits, temp, top_k, top_p, u, got)
+        probs = top_k_top_p_probs(logits[:1] / t, top_k[:1], top_p[:1], None)
+        want = _inverse_cdf(probs.repeat(n_u, 1), u)
+        assert (got != want).sum().item() <= 2, (t, k, p)
+        assert bool((probs[0, got] > 0).all())
+
+
 def test_inverse_cdf_draws_in_proportion():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(10_000, 1) * 7.0  # unnormalised is fine
     u = (torch.arange(10_000) + 0.5) / 10_000

@@ -116,7 +116,7 @@ class Sampler:
             sampled = self._argmax(logits)
         else:
             temp = torch.where(m.temperature > 0, m.temperature, 1.0)
-            sampled = sample_random(logits / temp[:, None], m, self.ops)
+            sampled = sample_random(logits, temp, m, self.ops)
             greedy = m.temperature == 0
             if bool(greedy.any()):
                 sampled = torch.where(greedy, self._argmax(logits), sampled)
@@ -141,11 +141,22 @@ class Sampler:
 FIRST_CANDIDATES = 256  # the torch path looks at this many tokens of a top-k / top-p row first
 
 
-def sample_random(logits: torch.Tensor, m: SamplingMetadata, ops=None) -> torch.Tensor:
-    """One token per row from softmax(logits) under the rows' min-p, top-k and top-p ([R, V] fp32, temperature
-    applied): one uniform per row inverts the row's cumulative distribution, in token-id order."""
-    probs = top_k_top_p_probs(apply_min_p(logits, m), m.top_k, m.top_p, ops)
-    return _inverse_cdf(probs, _uniforms(m, logits.shape[0], logits.device))
+def sample_random(logits: torch.Tensor, temperature: torch.Tensor, m: SamplingMetadata, ops=None) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature) under the rows' min-p, top-k and top-p ([R, V] fp32;
+    [R] temperature > 0): one uniform per row inverts the row's cumulative distribution, in token-id order. On CPU
+    one C++ call (``sample_rows``) scales, cuts and draws each row without writing its probabilities out."""
+    u = _uniforms(m, logits.shape[0], logits.device)
+    if m.min_p is not None:  # min-p's threshold is on the scaled distribution
+        logits, temperature = apply_min_p(logits / temperature[:, None], m), torch.ones_like(temperature)
+    r = logits.shape[0]
+    top_k = m.top_k if m.top_k is not None else torch.zeros(r, dtype=torch.int64, device=logits.device)
+    top_p = m.top_p if m.top_p is not None else torch.ones(r, dtype=torch.float32, device=logits.device)
+    if ops is not None and logits.is_cpu:
+        out = torch.empty(r, dtype=torch.int64)
+        ops.sample_rows(logits.contiguous(), temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), u, out)
+        return out
+    probs = top_k_top_p_probs(logits / temperature[:, None], m.top_k, m.top_p)
+    return _inverse_cdf(probs, u)
 
 
 def top_k_top_p_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

@@ -1,5 +1,7 @@
-// top_k_top_p_probs: each row's unnormalised probabilities exp(logit - max) with the tokens top-k and top-p remove
-// set to 0, without sorting the vocabulary.
+// Random sampling under top-k / top-p, without sorting the vocabulary:
+//   top_k_top_p_probs  each row's unnormalised probabilities exp(logit - max), 0 for the tokens top-k / top-p remove
+//   sample_rows        the same cut on logits / temperature, then one draw per row: the first token (in id order)
+//                      whose cumulative probability passes u * the kept total (sampler._inverse_cdf's draw)
 //
 // Semantics (those of sampler.apply_top_k_top_p_min_p, vLLM's): order a row's tokens by logit descending (ties:
 // token id ascending); top-k keeps the first k; top-p then keeps each token whose mass strictly before it, as a
@@ -160,6 +162,34 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
   }
 }
 
+// The first token whose cumulative e (id order) passes u * total, in blocks of 16 then token by token; total sums
+// the same blocks in the same order, so the blocks' running sum reaches it and u < 1 keeps the target below it.
+// A token with e = 0 never passes: the sum does not move there.
+int64_t draw(const float* e, int64_t V, float u) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= V; i += 16) total += _mm512_reduce_add_ps(_mm512_loadu_ps(e + i));
+#endif
+  for (; i < V; ++i) total += e[i];
+  const float target = u * total;
+  float run = 0.f;
+  i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= V; i += 16) {
+    const float s = _mm512_reduce_add_ps(_mm512_loadu_ps(e + i));
+    if (run + s > target) break;
+    run += s;
+  }
+#endif
+  for (; i < V; ++i) {
+    run += e[i];
+    if (run > target) return i;
+  }
+  for (i = V - 1; i > 0 && e[i] == 0.f; --i) {}  // rounding left the target unpassed: the last kept token
+  return i;
+}
+
 }  // namespace
 
 // logits: fp32 [R, V] (rows contiguous); top_k: int64 [R] (0: off); top_p: fp32 [R] (1: off); out: fp32 [R, V].
@@ -186,7 +216,47 @@ void top_k_top_p_probs(const at::Tensor& logits, const at::Tensor& top_k, const 
   });
 }
 
+// logits: fp32 [R, V] (rows contiguous); temperature, top_p, u: fp32 [R] (temperature > 0, u in [0, 1)); top_k:
+// int64 [R]; out: int64 [R].
+void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                 const at::Tensor& top_p, const at::Tensor& u, at::Tensor out) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits: float32 [rows, vocab] with contiguous rows");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocab size out of range");
+  for (const at::Tensor* t : {&temperature, &top_p, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R,
+                "temperature, top_p, u: float32 [rows]");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R, "top_k: int64 [rows]");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == R, "out: int64 [rows]");
+  const float* lp = logits.data_ptr<float>();
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *up = u.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    static thread_local Scratch w;
+    static thread_local std::vector<float> scaled, e;
+    scaled.resize(V);
+    e.resize(V);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * logits.stride(0);
+      const float t = tp[r];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 vt = _mm512_set1_ps(t);
+      for (; i + 16 <= V; i += 16) _mm512_storeu_ps(scaled.data() + i, _mm512_div_ps(_mm512_loadu_ps(x + i), vt));
+#endif
+      for (; i < V; ++i) scaled[i] = x[i] / t;  // a division, as the torch path's logits / temperature
+      const int64_t k = kp[r] > 0 ? std::min(kp[r], V) : V;
+      cut_row(scaled.data(), V, k, pp[r], e.data(), w);
+      op[r] = draw(e.data(), V, up[r]);
+    }
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u, Tensor(a!) out) -> ()");
+  m.impl("sample_rows", c10::DispatchKey::CPU, &sample_rows);
   m.def("top_k_top_p_probs(Tensor logits, Tensor top_k, Tensor top_p, Tensor(a!) out) -> ()");
   m.impl("top_k_top_p_probs", c10::DispatchKey::CPU, &top_k_top_p_probs);
 }

@@ -44,25 +44,32 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [R, k]
 
 
-def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, L] ids padded with -1 -> [R, V] occurrence counts."""
-    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=ids.device)
-    idx = torch.where(ids < 0, vocab, ids)
-    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
-    return counts[:, :vocab]
-
-
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """vLLM semantics: repetition penalty on tokens seen in prompt or output (divide positive logits, multiply
-    negative ones); frequency and presence penalties on output tokens only (OpenAI's formula)."""
+    negative ones); frequency and presence penalties on output tokens only (OpenAI's formula).
+
+    Sparse: only the (row, token) pairs that occur are read and written (a few hundred per row), not [R, V]
+    masks and counts (~15 passes over [64, 49152] took ~30 ms a step)."""
+    logits = logits.clone()
     vocab = logits.shape[1]
-    out_counts = _counts(m.output_token_ids, vocab)
-    seen = (_counts(m.prompt_token_ids, vocab) > 0) | (out_counts > 0)
-    rep = m.repetition_penalty[:, None].expand_as(logits)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - m.frequency_penalty[:, None] * out_counts
-    return logits - m.presence_penalty[:, None] * (out_counts > 0).to(logits.dtype)
+    seen = _pairs(torch.cat([m.prompt_token_ids, m.output_token_ids], dim=1), vocab)
+    rows, toks = seen // vocab, seen % vocab
+    x = logits[rows, toks]
+    rep = m.repetition_penalty[rows]
+    logits[rows, toks] = torch.where(x > 0, x / rep, x * rep)
+    out, counts = _pairs(m.output_token_ids, vocab, counts=True)
+    rows, toks = out // vocab, out % vocab
+    x = logits[rows, toks] - m.frequency_penalty[rows] * counts.to(logits.dtype)
+    logits[rows, toks] = x - m.presence_penalty[rows]
+    return logits
+
+
+def _pairs(ids: torch.Tensor, vocab: int, counts: bool = False):
+    """[R, L] token ids padded with -1 -> the distinct (row, token) pairs as row * vocab + token (sorted), and with
+    counts=True how often each occurs."""
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    keys = (rows * vocab + ids)[ids >= 0]
+    return torch.unique(keys, return_counts=counts)
 
 
 def apply_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:

@@ -204,6 +204,30 @@ def test_sample_rows_draws_as_the_torch_path():
         assert bool((probs[0, got] > 0).all())
 
 
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprobs_rows_match_torch(k):
+    """The C++ logprobs (two passes per row) equal log_softmax's: the sampled token's value and rank, and the top
+    k in order (ties: lower id first)."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 3000) * torch.tensor([[1.0], [4.0], [0.1], [2.0], [1.0], [1.0]])
+    logits[3, 100:] = float("-inf")
+    logits[4, [10, 20, 30]] = 9.0  # a three-way tie for first
+    sampled = torch.tensor([0, int(logits[1].argmax()), 5, 7, 20, int(logits[5].argmin())])
+    chosen, rank = torch.empty(6), torch.empty(6, dtype=torch.int64)
+    top_ids, top_lp = torch.empty(6, k, dtype=torch.int64), torch.empty(6, k)
+    CUTS["cpp"].logprobs_rows(logits, sampled, k, chosen, rank, top_ids, top_lp)
+    want = logits.log_softmax(-1)
+    want_chosen = want.gather(1, sampled[:, None]).squeeze(1)
+    torch.testing.assert_close(chosen, want_chosen, rtol=0, atol=2e-6)
+    assert rank.tolist() == ((want > want_chosen[:, None]).sum(-1) + 1).tolist()
+    assert rank[1] == 1 and rank[4] == 1 and rank[5] == 3000
+    if k:
+        vals, _ = want.topk(k, dim=-1)
+        torch.testing.assert_close(top_lp, vals, rtol=0, atol=2e-6)
+        torch.testing.assert_close(want.gather(1, top_ids), top_lp, rtol=0, atol=2e-6)  # ids match values
+        assert top_ids[4, :3].tolist() == [10, 20, 30][:k]
+
+
 def test_inverse_cdf_draws_in_proportion():
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(10_000, 1) * 7.0  # unnormalised is fine
     u = (torch.arange(10_000) + 0.5) / 10_000

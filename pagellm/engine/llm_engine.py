@@ -64,6 +64,7 @@ class LLMEngine:
             ckpt.weights = {k: v.to(config.torch_dtype) for k, v in ckpt.weights.items()}
         self.hf_config = cfg
         self.tokenizer = ckpt.tokenizer
+        self._token_text: dict[int, str] = {}  # one token decoded alone, for logprobs (decode once per id)
         shape = ModelShape(cfg, ckpt.architecture)
         backend = select_backend(config.attention_backend, dev, shape.num_kv_heads, shape.head_dim,
                                  config.block_size)
@@ -283,7 +284,12 @@ class LLMEngine:
         return entry
 
     def _decode_one(self, tok: int) -> str | None:
-        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(tok)
+        if text is None:
+            text = self._token_text[tok] = self.tokenizer.decode([tok])
+        return text
 
     def make_output(self, req: Request) -> RequestOutput:
         detok = req.detokenizer

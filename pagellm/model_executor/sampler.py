@@ -102,7 +102,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
 
 class Sampler:
     def __init__(self, ops=None) -> None:
-        self.ops = ops  # the CPU kernels (argmax_rows, top_k_top_p_probs), or None
+        self.ops = ops  # the CPU kernels (argmax_rows, sample_rows, logprobs_rows), or None
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step. A plain greedy batch
@@ -130,10 +130,16 @@ class Sampler:
 
         if m.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None, None)
+        k = m.max_num_logprobs
+        if self.ops is not None and raw.is_cpu:  # one C++ pass pair per row instead of ~10 ms of [R, V] ops
+            r = raw.shape[0]
+            chosen, rank = torch.empty(r), torch.empty(r, dtype=torch.int64)
+            top_ids, top_lp = torch.empty(r, k, dtype=torch.int64), torch.empty(r, k)
+            self.ops.logprobs_rows(raw.contiguous(), sampled.contiguous(), k, chosen, rank, top_ids, top_lp)
+            return SamplerOutput(sampled, chosen, rank, top_ids if k > 0 else None, top_lp if k > 0 else None)
         logprobs = raw.log_softmax(-1)
         chosen = logprobs.gather(1, sampled[:, None])
         rank = (logprobs > chosen).sum(-1) + 1
-        k = m.max_num_logprobs
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
         return SamplerOutput(sampled, chosen.squeeze(1), rank, top_ids, top_lp)
 

@@ -33,6 +33,7 @@ using namespace pagellm;
 
 constexpr int kBuckets = 512;
 constexpr float kBucketsPerUnit = 16.f;  // buckets cover logits down to 32 below the maximum; the last takes the rest
+constexpr int kNear = 256;               // the buckets within 16 of the maximum
 
 struct Scratch {
   std::vector<int32_t> bucket;  // [V] each token's bucket
@@ -80,14 +81,18 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
 #endif
   for (; i < V; ++i) mx = std::max(mx, l[i]);
   w.bucket.resize(V);
+  w.ids.resize(V);
   int32_t* bk = w.bucket.data();
-  float total = 0.f;
+  int32_t* near = w.ids.data();  // the tokens in the first kNear buckets
+  int64_t n_near = 0;
+  float total = 0.f, near_mass = 0.f;
   i = 0;
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(kBucketsPerUnit);
-  const __m512 vlast = _mm512_set1_ps(static_cast<float>(kBuckets - 1));
+  const __m512 vlast = _mm512_set1_ps(static_cast<float>(kBuckets - 1)), vnear = _mm512_set1_ps(float(kNear));
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 acc = _mm512_setzero_ps();
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc = _mm512_setzero_ps(), acc_near = _mm512_setzero_ps();
   for (; i + 16 <= V; i += 16) {
     const __m512 x = _mm512_loadu_ps(l + i);
     const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
@@ -95,31 +100,48 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
     _mm512_storeu_ps(e + i, v);
     acc = _mm512_add_ps(acc, v);
     // min() before the conversion: a -inf logit's distance is +inf
-    const __m512 b = _mm512_min_ps(_mm512_mul_ps(_mm512_sub_ps(vmx, x), vscale), vlast);
-    _mm512_storeu_si512(bk + i, _mm512_cvttps_epi32(_mm512_mask_mov_ps(vlast, live, b)));
+    const __m512 b = _mm512_mask_mov_ps(vlast, live, _mm512_min_ps(_mm512_mul_ps(_mm512_sub_ps(vmx, x), vscale), vlast));
+    _mm512_storeu_si512(bk + i, _mm512_cvttps_epi32(b));
+    const __mmask16 in = _mm512_cmp_ps_mask(b, vnear, _CMP_LT_OQ);
+    acc_near = _mm512_mask_add_ps(acc_near, in, acc_near, v);
+    _mm512_mask_compressstoreu_epi32(near + n_near, in, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i))));
+    n_near += __builtin_popcount(in);
   }
   total = _mm512_reduce_add_ps(acc);
+  near_mass = _mm512_reduce_add_ps(acc_near);
 #endif
   for (; i < V; ++i) {
     const bool live = l[i] != -std::numeric_limits<float>::infinity();
     e[i] = live ? std::exp(l[i] - mx) : 0.f;
     total += e[i];
     bk[i] = live ? static_cast<int32_t>(std::min((mx - l[i]) * kBucketsPerUnit, float(kBuckets - 1))) : kBuckets - 1;
+    if (bk[i] < kNear) {
+      near[n_near++] = static_cast<int32_t>(i);
+      near_mass += e[i];
+    }
   }
+  if (k >= V && p >= 1.f) return;  // no cut: every token keeps its e
+  // When the cut falls among the near tokens (k of them, or more than p of the mass: as a rule with real text,
+  // where a few hundred tokens lie within 16 of the maximum), only they are counted; the buckets after stay empty,
+  // and every token there is past the cut anyway.
+  const bool near_only = k < V ? n_near >= k : near_mass > p * total;
   // Four partial histograms by turns: consecutive tokens often share a bucket, and one histogram would chain
   // every update on the previous one's store.
   int32_t count4[4][kBuckets] = {};
   float mass4[4][kBuckets] = {};
+  const int64_t n = near_only ? n_near : V;
+  auto at = [&](int64_t j) -> int64_t { return near_only ? near[j] : j; };
   int64_t j = 0;
-  for (; j + 4 <= V; j += 4) {
+  for (; j + 4 <= n; j += 4) {
     for (int t = 0; t < 4; ++t) {
-      ++count4[t][bk[j + t]];
-      mass4[t][bk[j + t]] += e[j + t];
+      const int64_t id = at(j + t);
+      ++count4[t][bk[id]];
+      mass4[t][bk[id]] += e[id];
     }
   }
-  for (; j < V; ++j) {
-    ++count4[0][bk[j]];
-    mass4[0][bk[j]] += e[j];
+  for (; j < n; ++j) {
+    ++count4[0][bk[at(j)]];
+    mass4[0][bk[at(j)]] += e[at(j)];
   }
   int32_t count[kBuckets];
   float mass[kBuckets];
@@ -149,7 +171,6 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
     }
     return;
   }
-  if (p >= 1.f) return;
   // The first bucket whose cumulative mass passes p: tokens before it stay, after it go, inside it in order.
   const float limit = p * total;
   int b = 0;

@@ -1,5 +1,6 @@
 // Random sampling under top-k / top-p, without sorting the vocabulary:
 //   top_k_top_p_probs  each row's unnormalised probabilities exp(logit - max), 0 for the tokens top-k / top-p remove
+//                      (the cut alone: what the tests hold against the full-sort reference)
 //   sample_rows        the same cut on logits / temperature, then one draw per row: the first token (in id order)
 //                      whose cumulative probability passes u * the kept total (sampler._inverse_cdf's draw)
 //   logprobs_rows      the sampled token's log-probability and rank, and the k most likely tokens', in two passes
@@ -173,9 +174,12 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
   }
   // The first bucket whose cumulative mass passes p: tokens before it stay, after it go, inside it in order.
   const float limit = p * total;
+  // counting near tokens only, the cut is among them: should the buckets' sum fall short of near_mass by a
+  // rounding, stop at the last near bucket (its tokens are walked in order below), never in the uncounted ones
+  const int last = near_only ? kNear - 1 : kBuckets - 1;
   int b = 0;
   float below = 0.f;  // the mass of the buckets before b
-  while (b < kBuckets - 1 && below + mass[b] <= limit) below += mass[b++];
+  while (b < last && below + mass[b] <= limit) below += mass[b++];
   split(bk, V, b, b, e, w);
   order(w.ids, l);
   float before = below;

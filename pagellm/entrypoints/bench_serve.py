@@ -186,10 +186,10 @@ async def fetch_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int],
-                       output_len: int) -> RequestResult:
+                       output_len: int, temperature: float = 0.0) -> RequestResult:
     """One streamed completion; never raises, never retries: failures land in ``result.error``."""
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res.send_time = time.perf_counter()
     try:
@@ -213,7 +213,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
 
 async def run_benchmark(base_url: str, prompts: list[list[int]], output_len: int, request_rate: float,
                         model: str | None = None, seed: int = 0, max_concurrency: int | None = None,
-                        api_key: str | None = None) -> dict:
+                        api_key: str | None = None, temperature: float = 0.0) -> dict:
     """Send every prompt on a Poisson schedule (at most ``max_concurrency`` in flight) and return the metrics."""
     import httpx
 
@@ -235,9 +235,9 @@ async def run_benchmark(base_url: str, prompts: list[list[int]], output_len: int
 
         async def one(prompt: list[int]) -> RequestResult:
             if sem is None:
-                return await send_request(client, base_url, model, prompt, output_len)
+                return await send_request(client, base_url, model, prompt, output_len, temperature)
             async with sem:
-                return await send_request(client, base_url, model, prompt, output_len)
+                return await send_request(client, base_url, model, prompt, output_len, temperature)
 
         offsets = arrival_offsets(len(prompts), request_rate, seed)
         tasks: list[asyncio.Task[RequestResult]] = []
@@ -293,6 +293,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: first id from /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--output-len", type=int, default=None, help="max_tokens per request (default: meta.output_len)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sent with every request (default 0: greedy; the OpenAI API's own default is 1)")
     p.add_argument("--label", default="pagellm-serve", help="the 'engine' field of the JSON line")
     p.set_defaults(func=cmd_serve)
 
@@ -309,7 +311,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit("bench serve: --request-rate must be > 0 (or inf)")
     result = asyncio.run(run_benchmark(args.base_url, prompts, int(output_len), args.request_rate,
                                        model=args.model, seed=args.seed, max_concurrency=args.max_concurrency,
-                                       api_key=args.api_key))
+                                       api_key=args.api_key, temperature=args.temperature))
     result["engine"] = args.label
     print(format_table(result), file=sys.stderr, flush=True)
     print(json.dumps(result), flush=True)

@@ -133,6 +133,32 @@ def test_penalties_follow_vllm_semantics():
     assert torch.allclose(got, want)
 
 
+def test_penalties_match_a_dense_reference():
+    """The sparse penalties equal the plain [R, V] formulas on random ids with repeats and padding."""
+    g = torch.Generator().manual_seed(5)
+    r, vocab = 5, 40
+    logits = torch.randn(r, vocab, generator=g) * 3
+    prompt = torch.randint(0, vocab, (r, 12), generator=g)
+    output = torch.randint(0, vocab, (r, 9), generator=g)
+    prompt[1, 6:] = -1
+    output[2, 3:] = -1
+    output[3, :] = -1
+    rep, freq, pres = (torch.rand(r, generator=g) * 1.5 + 0.5, torch.randn(r, generator=g), torch.randn(r, generator=g))
+    m = _meta(r, prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=rep, presence_penalty=pres,
+              frequency_penalty=freq)
+    counts = torch.zeros(r, vocab)
+    seen = torch.zeros(r, vocab, dtype=torch.bool)
+    for i in range(r):
+        for t in prompt[i][prompt[i] >= 0].tolist():
+            seen[i, t] = True
+        for t in output[i][output[i] >= 0].tolist():
+            seen[i, t] = True
+            counts[i, t] += 1
+    want = torch.where(seen, torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None]), logits)
+    want = want - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+    torch.testing.assert_close(apply_penalties(logits, m), want)
+
+
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.4, 0.3, 0.2, 0.1], [0.7, 0.2, 0.06, 0.04]]))
     m = _meta(3, top_k=torch.tensor([2, 0, 0]), top_p=torch.tensor([1.0, 0.6, 1.0]),

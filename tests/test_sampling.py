@@ -10,8 +10,8 @@ import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.sampler import (SamplingMetadata, _inverse_cdf, apply_penalties, apply_top_k_top_p_min_p,
-                                             top_k_top_p_probs)
+from pagellm.model_executor.sampler import (SamplingMetadata, _inverse_cdf, apply_min_p, apply_penalties,
+                                             apply_top_k_top_p_min_p, top_k_top_p_probs)
 
 
 @pytest.fixture(scope="module")
@@ -175,17 +175,22 @@ CUTS = {"cpp": load_extension(), "torch": None}
 def test_top_k_top_p_probs_match_the_reference(path):
     """Kept tokens and their probabilities equal the full-sort reference's, for peaked and flat rows (a flat row's
     nucleus holds thousands of tokens: past the torch path's first candidates), top-k alone, top-p alone, both,
-    neither, and rows with tokens masked to -inf."""
+    neither, min-p with and without them, and rows with tokens masked to -inf."""
     torch.manual_seed(0)
     vocab = 5000
-    scale = torch.tensor([[3.0], [0.05], [1.0], [0.5], [2.0], [0.01], [30.0], [1.0], [8.0]])
+    scale = torch.tensor([[3.0], [0.05], [1.0], [0.5], [2.0], [0.01], [30.0], [1.0], [8.0], [2.0]])
     logits = torch.randn(len(scale), vocab) * scale
     logits[7, 100:] = float("-inf")
     logits[8, ::2] = float("-inf")
-    top_k = torch.tensor([0, 0, 40, 1000, 0, 3000, 0, 200, 300])
-    top_p = torch.tensor([0.9, 0.99, 0.5, 0.95, 1.0, 0.999, 0.3, 0.97, 0.8])
-    want = apply_top_k_top_p_min_p(logits, _meta(len(scale), top_k=top_k, top_p=top_p)).softmax(-1)
-    got = top_k_top_p_probs(logits, top_k, top_p, CUTS[path])
+    top_k = torch.tensor([0, 0, 40, 1000, 0, 3000, 0, 200, 300, 0])
+    top_p = torch.tensor([0.9, 0.99, 0.5, 0.95, 1.0, 0.999, 0.3, 0.97, 0.8, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.2, 0.1])  # alone in the last row
+    m = _meta(len(scale), top_k=top_k, top_p=top_p, min_p=min_p)
+    want = apply_top_k_top_p_min_p(logits, m).softmax(-1)
+    if path == "cpp":
+        got = top_k_top_p_probs(logits, top_k, top_p, CUTS[path], min_p=min_p)
+    else:  # the torch path leaves min-p to its caller
+        got = top_k_top_p_probs(apply_min_p(logits, m), top_k, top_p, None)
     got = got / got.sum(-1, keepdim=True)
     assert torch.equal(got > 0, want > 0), ((got > 0).sum(-1), (want > 0).sum(-1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -210,23 +215,25 @@ def test_top_k_keeps_the_lowest_ids_among_tied_logits(path):
 
 
 def test_sample_rows_draws_as_the_torch_path():
-    """The C++ sampler (temperature, cut and draw in one call) picks, for the same uniforms, the tokens the torch
-    path's inverse CDF picks; never a removed token."""
+    """The C++ sampler (temperature, min-p, cut and draw in one call) picks, for the same uniforms, the tokens the
+    torch path's inverse CDF picks; never a removed token."""
     ops = CUTS["cpp"]
     torch.manual_seed(1)
     n_u, vocab = 2000, 3000
     base = torch.randn(4, vocab) * torch.tensor([[2.0], [0.3], [5.0], [1.0]])
     base[3, 1000:] = float("-inf")
-    params = [(0.7, 0, 0.9), (1.3, 50, 1.0), (1.0, 20, 0.6), (0.5, 0, 1.0)]  # temperature, top_k, top_p
+    params = [(0.7, 0, 0.9, 0.0), (1.3, 50, 1.0, 0.0), (1.0, 20, 0.6, 0.0), (0.5, 0, 1.0, 0.0), (1.5, 0, 0.95, 0.05)]
+    base = torch.cat([base, base[:1]])
     u = (torch.arange(n_u) + 0.5) / n_u
-    for row, (t, k, p) in zip(base, params):
+    for row, (t, k, p, mp) in zip(base, params):  # temperature, top_k, top_p, min_p
         logits = row[None].repeat(n_u, 1)
-        temp, top_k, top_p = torch.full((n_u,), t), torch.full((n_u,), k), torch.full((n_u,), p)
+        temp, top_k, top_p, min_p = (torch.full((n_u,), v) for v in (t, k, p, mp))
         got = torch.empty(n_u, dtype=torch.int64)
-        ops.sample_rows(logits, temp, top_k, top_p, u, got)
-        probs = top_k_top_p_probs(logits[:1] / t, top_k[:1], top_p[:1], None)
+        ops.sample_rows(logits, temp, top_k, top_p, min_p, u, got)
+        scaled = apply_min_p(logits[:1] / t, _meta(1, min_p=min_p[:1]))
+        probs = top_k_top_p_probs(scaled, top_k[:1], top_p[:1], None)
         want = _inverse_cdf(probs.repeat(n_u, 1), u)
-        assert (got != want).sum().item() <= 2, (t, k, p)
+        assert (got != want).sum().item() <= 2, (t, k, p, mp)
         assert bool((probs[0, got] > 0).all())
 
 

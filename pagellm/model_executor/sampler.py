@@ -156,35 +156,40 @@ def sample_random(logits: torch.Tensor, temperature: torch.Tensor, m: SamplingMe
     [R] temperature > 0): one uniform per row inverts the row's cumulative distribution, in token-id order. On CPU
     one C++ call (``sample_rows``) scales, cuts and draws each row without writing its probabilities out."""
     u = _uniforms(m, logits.shape[0], logits.device)
-    if m.min_p is not None:  # min-p's threshold is on the scaled distribution
-        logits, temperature = apply_min_p(logits / temperature[:, None], m), torch.ones_like(temperature)
     r = logits.shape[0]
-    top_k = m.top_k if m.top_k is not None else torch.zeros(r, dtype=torch.int64, device=logits.device)
-    top_p = m.top_p if m.top_p is not None else torch.ones(r, dtype=torch.float32, device=logits.device)
     if ops is not None and logits.is_cpu:
+        top_k = m.top_k if m.top_k is not None else torch.zeros(r, dtype=torch.int64)
+        top_p = m.top_p if m.top_p is not None else torch.ones(r)
+        min_p = m.min_p if m.min_p is not None else torch.zeros(r)
         out = torch.empty(r, dtype=torch.int64)
-        ops.sample_rows(logits.contiguous(), temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), u, out)
+        ops.sample_rows(logits.contiguous(), temperature.contiguous(), top_k.contiguous(), top_p.contiguous(),
+                        min_p.contiguous(), u, out)
         return out
-    probs = top_k_top_p_probs(logits / temperature[:, None], m.top_k, m.top_p)
+    # min-p's threshold is on the distribution after the temperature
+    probs = top_k_top_p_probs(apply_min_p(logits / temperature[:, None], m), m.top_k, m.top_p)
     return _inverse_cdf(probs, u)
 
 
 def top_k_top_p_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      ops=None) -> torch.Tensor:
+                      ops=None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """[R, V] probabilities, unnormalised, with 0 for the tokens top-k and top-p remove (top_k: [R], 0 = off;
     top_p: [R], 1 = off; either None when no row uses it). On CPU the C++ kernel takes each row's cut from a
-    histogram of its logits; elsewhere ``_candidates`` takes it from the rows' most likely tokens."""
+    histogram of its logits (and min-p's, given min_p); elsewhere ``_candidates`` takes it from the rows' most
+    likely tokens (the caller applies min-p first)."""
+    r = logits.shape[0]
+    if ops is not None and logits.is_cpu:
+        out = torch.empty_like(logits)
+        ops.top_k_top_p_probs(logits.contiguous(),
+                              top_k if top_k is not None else torch.zeros(r, dtype=torch.int64),
+                              top_p if top_p is not None else torch.ones(r),
+                              min_p if min_p is not None else torch.zeros(r), out)
+        return out
     if top_k is None and top_p is None:
         return (logits - logits.amax(-1, keepdim=True)).exp()
-    r = logits.shape[0]
     if top_k is None:
         top_k = torch.zeros(r, dtype=torch.int64, device=logits.device)
     if top_p is None:
         top_p = torch.ones(r, dtype=torch.float32, device=logits.device)
-    if ops is not None and logits.is_cpu:
-        out = torch.empty_like(logits)
-        ops.top_k_top_p_probs(logits.contiguous(), top_k.contiguous(), top_p.float().contiguous(), out)
-        return out
     probs = (logits - logits.amax(-1, keepdim=True)).exp()
     rows = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1)
     if rows.numel():

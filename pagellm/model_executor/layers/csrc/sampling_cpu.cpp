@@ -1,14 +1,16 @@
 // Random sampling under top-k / top-p, without sorting the vocabulary:
-//   top_k_top_p_probs  each row's unnormalised probabilities exp(logit - max), 0 for the tokens top-k / top-p remove
+//   top_k_top_p_probs  each row's unnormalised probabilities exp(logit - max), 0 for the tokens min-p, top-k and top-p
+//                      remove
 //                      (the cut alone: what the tests hold against the full-sort reference)
 //   sample_rows        the same cut on logits / temperature, then one draw per row: the first token (in id order)
 //                      whose cumulative probability passes u * the kept total (sampler._inverse_cdf's draw)
 //   logprobs_rows      the sampled token's log-probability and rank, and the k most likely tokens', in two passes
 //                      over each row (torch: log_softmax, a compare over the row and topk, ~10 ms at [64, 49152])
 //
-// Semantics (those of sampler.apply_top_k_top_p_min_p, vLLM's): order a row's tokens by logit descending (ties:
-// token id ascending); top-k keeps the first k; top-p then keeps each token whose mass strictly before it, as a
-// share of what top-k kept, is at most p (so the first token always stays).
+// Semantics (those of sampler.apply_top_k_top_p_min_p, vLLM's): min-p first removes the tokens whose probability
+// is below min_p times the largest; then order a row's tokens by logit descending (ties: token id ascending);
+// top-k keeps the first k; top-p then keeps each token whose mass strictly before it, as a share of what top-k
+// kept, is at most p (so the first token always stays).
 //
 // Only the tokens near a cut need ordering. A histogram of each token's distance below the row's maximum logit
 // (kBucketsPerUnit buckets per unit of logit) gives, per bucket, the tokens and the mass it holds; the cut lies in
@@ -71,7 +73,9 @@ void split(const int32_t* bk, int64_t V, int first, int last, float* e, Scratch&
   w.ids.resize(n);
 }
 
-void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w) {
+// min_p: tokens with e = exp(l - max) below min_p (their probability below min_p times the largest) are removed
+// first, as -inf logits are: e = 0, the last bucket.
+void cut_row(const float* l, int64_t V, int64_t k, float p, float min_p, float* e, Scratch& w) {
   // The maximum, then e = exp(l - max) (exactly 0 for -inf logits: masked tokens) and each token's bucket.
   float mx = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
@@ -91,13 +95,14 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(kBucketsPerUnit);
   const __m512 vlast = _mm512_set1_ps(static_cast<float>(kBuckets - 1)), vnear = _mm512_set1_ps(float(kNear));
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), vminp = _mm512_set1_ps(min_p);
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc = _mm512_setzero_ps(), acc_near = _mm512_setzero_ps();
   for (; i + 16 <= V; i += 16) {
     const __m512 x = _mm512_loadu_ps(l + i);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-    const __m512 v = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, vmx)));
+    const __m512 ex = exp16(_mm512_sub_ps(x, vmx));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ) & _mm512_cmp_ps_mask(ex, vminp, _CMP_GE_OQ);
+    const __m512 v = _mm512_maskz_mov_ps(live, ex);
     _mm512_storeu_ps(e + i, v);
     acc = _mm512_add_ps(acc, v);
     // min() before the conversion: a -inf logit's distance is +inf
@@ -112,8 +117,9 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float* e, Scratch& w
   near_mass = _mm512_reduce_add_ps(acc_near);
 #endif
   for (; i < V; ++i) {
-    const bool live = l[i] != -std::numeric_limits<float>::infinity();
-    e[i] = live ? std::exp(l[i] - mx) : 0.f;
+    const float ex = std::exp(l[i] - mx);
+    const bool live = l[i] != -std::numeric_limits<float>::infinity() && ex >= min_p;
+    e[i] = live ? ex : 0.f;
     total += e[i];
     bk[i] = live ? static_cast<int32_t>(std::min((mx - l[i]) * kBucketsPerUnit, float(kBuckets - 1))) : kBuckets - 1;
     if (bk[i] < kNear) {
@@ -319,45 +325,48 @@ void logprobs_rows(const at::Tensor& logits, const at::Tensor& sampled, int64_t 
   });
 }
 
-// logits: fp32 [R, V] (rows contiguous); top_k: int64 [R] (0: off); top_p: fp32 [R] (1: off); out: fp32 [R, V].
-void top_k_top_p_probs(const at::Tensor& logits, const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor out) {
+// logits: fp32 [R, V] (rows contiguous); top_k: int64 [R] (0: off); top_p, min_p: fp32 [R] (1, 0: off); out: fp32
+// [R, V].
+void top_k_top_p_probs(const at::Tensor& logits, const at::Tensor& top_k, const at::Tensor& top_p,
+                       const at::Tensor& min_p, at::Tensor out) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "logits: float32 [rows, vocab] with contiguous rows");
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocab size out of range");
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R, "top_k: int64 [rows]");
-  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.is_contiguous() && top_p.numel() == R,
-              "top_p: float32 [rows]");
+  for (const at::Tensor* t : {&top_p, &min_p})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R, "top_p, min_p: float32 [rows]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == V &&
               out.stride(1) == 1, "out: float32 [rows, vocab] with contiguous rows");
   const float* lp = logits.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
-  const float* pp = top_p.data_ptr<float>();
+  const float *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     static thread_local Scratch w;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t k = kp[r] > 0 ? std::min(kp[r], V) : V;
-      cut_row(lp + r * logits.stride(0), V, k, pp[r], op + r * out.stride(0), w);
+      cut_row(lp + r * logits.stride(0), V, k, pp[r], mp[r], op + r * out.stride(0), w);
     }
   });
 }
 
-// logits: fp32 [R, V] (rows contiguous); temperature, top_p, u: fp32 [R] (temperature > 0, u in [0, 1)); top_k:
-// int64 [R]; out: int64 [R].
+// logits: fp32 [R, V] (rows contiguous); temperature, top_p, min_p, u: fp32 [R] (temperature > 0, u in [0, 1)); top_k:
+// int64 [R]; out: int64 [R]. min-p applies to the distribution after the temperature, as top-k and top-p do.
 void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                 const at::Tensor& top_p, const at::Tensor& u, at::Tensor out) {
+                 const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u, at::Tensor out) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "logits: float32 [rows, vocab] with contiguous rows");
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0 && V < std::numeric_limits<int32_t>::max(), "vocab size out of range");
-  for (const at::Tensor* t : {&temperature, &top_p, &u})
+  for (const at::Tensor* t : {&temperature, &top_p, &min_p, &u})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R,
-                "temperature, top_p, u: float32 [rows]");
+                "temperature, top_p, min_p, u: float32 [rows]");
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == R, "top_k: int64 [rows]");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == R, "out: int64 [rows]");
   const float* lp = logits.data_ptr<float>();
   const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
@@ -375,7 +384,7 @@ void sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const 
 #endif
       for (; i < V; ++i) scaled[i] = x[i] / t;  // a division, as the torch path's logits / temperature
       const int64_t k = kp[r] > 0 ? std::min(kp[r], V) : V;
-      cut_row(scaled.data(), V, k, pp[r], e.data(), w);
+      cut_row(scaled.data(), V, k, pp[r], mp[r], e.data(), w);
       op[r] = draw(e.data(), V, up[r]);
     }
   });
@@ -385,8 +394,9 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("logprobs_rows(Tensor logits, Tensor sampled, int k, Tensor(a!) chosen_lp, Tensor(b!) rank, "
         "Tensor(c!) top_ids, Tensor(d!) top_lp) -> ()");
   m.impl("logprobs_rows", c10::DispatchKey::CPU, &logprobs_rows);
-  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor u, Tensor(a!) out) -> ()");
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u, "
+        "Tensor(a!) out) -> ()");
   m.impl("sample_rows", c10::DispatchKey::CPU, &sample_rows);
-  m.def("top_k_top_p_probs(Tensor logits, Tensor top_k, Tensor top_p, Tensor(a!) out) -> ()");
+  m.def("top_k_top_p_probs(Tensor logits, Tensor top_k, Tensor top_p, Tensor min_p, Tensor(a!) out) -> ()");
   m.impl("top_k_top_p_probs", c10::DispatchKey::CPU, &top_k_top_p_probs);
 }

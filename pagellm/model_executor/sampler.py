@@ -70,6 +70,7 @@ def _pairs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """-inf for the tokens whose probability is below min_p times the row's largest (the torch path's min-p)."""
     if m.min_p is None:
         return logits
     probs = logits.softmax(-1)
@@ -79,7 +80,7 @@ def apply_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """The reference: every row's logits with the tokens min-p, top-k and top-p remove set to -inf, through a full
-    sort (``sample_random`` takes the same cut from each row's most likely tokens only)."""
+    sort (``sample_random`` takes the same cut without sorting whole rows)."""
     logits = apply_min_p(logits, m)
     if m.top_k is None and m.top_p is None:
         return logits

@@ -49,16 +49,9 @@ inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
 
 // p[lo..hi) = exp(s - max) / sum, in place (normalised probabilities); returns the log-sum-exp of the scores.
 inline float softmax_range(float* s, int64_t lo, int64_t hi) {
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t i = lo;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(m);
-  for (; i + 16 <= hi; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-  m = _mm512_reduce_max_ps(vmax);
-#endif
-  for (; i < hi; ++i) m = std::max(m, s[i]);
+  const float m = max_of(s + lo, hi - lo);
   float sum = 0.f;
-  i = lo;
+  int64_t i = lo;
 #if defined(__AVX512F__)
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();

@@ -77,21 +77,14 @@ void split(const int32_t* bk, int64_t V, int first, int last, float* e, Scratch&
 // first, as -inf logits are: e = 0, the last bucket.
 void cut_row(const float* l, int64_t V, int64_t k, float p, float min_p, float* e, Scratch& w) {
   // The maximum, then e = exp(l - max) (exactly 0 for -inf logits: masked tokens) and each token's bucket.
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(mx);
-  for (; i + 16 <= V; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(l + i));
-  mx = _mm512_reduce_max_ps(vm);
-#endif
-  for (; i < V; ++i) mx = std::max(mx, l[i]);
+  const float mx = max_of(l, V);
   w.bucket.resize(V);
   w.ids.resize(V);
   int32_t* bk = w.bucket.data();
   int32_t* near = w.ids.data();  // the tokens in the first kNear buckets
   int64_t n_near = 0;
   float total = 0.f, near_mass = 0.f;
-  i = 0;
+  int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(kBucketsPerUnit);
   const __m512 vlast = _mm512_set1_ps(static_cast<float>(kBuckets - 1)), vnear = _mm512_set1_ps(float(kNear));

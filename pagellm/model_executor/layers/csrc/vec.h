@@ -8,8 +8,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -104,6 +106,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// The largest of x[0..n) (-inf when n = 0).
+inline float max_of(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
 
 // Calls f(T{}) for the storage dtypes the kernels support (float32, bfloat16, float16).
 template <typename F>

@@ -159,6 +159,30 @@ def test_penalties_match_a_dense_reference():
     torch.testing.assert_close(apply_penalties(logits, m), want)
 
 
+def test_penalised_sampler_keeps_raw_logprobs():
+    """The sampler penalises its own fp32 copy in place when nothing else reads it; with logprobs asked, the
+    logprobs stay those of the model's raw logits (and the model's logits are never written)."""
+    from pagellm.model_executor.sampler import Sampler
+
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 64, generator=g) * 4).to(torch.bfloat16)
+    before = logits.clone()
+    prompt = torch.tensor([[1, 2, 3], [4, 5, -1], [6, -1, -1]])
+    output = torch.tensor([[7, 7], [8, -1], [-1, -1]])
+    pen = dict(prompt_token_ids=prompt, output_token_ids=output, repetition_penalty=torch.full((3,), 2.0),
+               presence_penalty=torch.full((3,), 0.5), frequency_penalty=torch.full((3,), 0.25))
+    want = apply_penalties(logits.float(), _meta(3, **pen)).argmax(-1)
+    for ops in (None, load_extension()):
+        greedy = _meta(3, temperature=torch.zeros(3), all_greedy=True, **pen)
+        out = Sampler(ops)(logits, greedy)
+        assert torch.equal(out.sampled, want) and torch.equal(logits, before)
+        out = Sampler(ops)(logits, _meta(3, temperature=torch.zeros(3), all_greedy=True, max_num_logprobs=2, **pen))
+        assert torch.equal(out.sampled, want) and torch.equal(logits, before)
+        raw = logits.float().log_softmax(-1)
+        torch.testing.assert_close(out.logprob, raw.gather(1, want[:, None]).squeeze(1))
+        torch.testing.assert_close(out.top_logprobs, raw.topk(2, dim=-1).values)
+
+
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.4, 0.3, 0.2, 0.1], [0.7, 0.2, 0.06, 0.04]]))
     m = _meta(3, top_k=torch.tensor([2, 0, 0]), top_p=torch.tensor([1.0, 0.6, 1.0]),

@@ -44,14 +44,16 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [R, k]
 
 
-def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, m: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
     """vLLM semantics: repetition penalty on tokens seen in prompt or output (divide positive logits, multiply
     negative ones); frequency and presence penalties on output tokens only (OpenAI's formula).
 
     Sparse: only the (row, token) pairs that occur are read and written (a few hundred per row), not [R, V]
     masks and counts (~15 passes over [64, 49152] took ~30 ms a step). A pair that occurs several times is
-    written several times with the same value, except the frequency penalty, which accumulates once per time."""
-    logits = logits.clone()
+    written several times with the same value, except the frequency penalty, which accumulates once per time.
+    ``inplace``: write into ``logits`` (the sampler's own fp32 copy when no logprobs need the raw values)."""
+    if not inplace:
+        logits = logits.clone()
     rows, toks = _pairs(torch.cat([m.prompt_token_ids, m.output_token_ids], dim=1))
     x = logits[rows, toks]
     rep = m.repetition_penalty[rows]
@@ -109,10 +111,11 @@ class Sampler:
         if (m.all_greedy and m.prompt_token_ids is None and m.stop_mask_rows is None
                 and m.max_num_logprobs is None):
             return SamplerOutput(self._argmax(logits), None, None, None, None)
+        private = logits.dtype != torch.float32  # .float() copies: the penalties may write into the copy
         logits = logits.float()
         raw = logits
         if m.prompt_token_ids is not None:
-            logits = apply_penalties(logits, m)
+            logits = apply_penalties(logits, m, inplace=private and m.max_num_logprobs is None)
         if m.stop_mask_rows is not None:
             logits = logits.index_put((m.stop_mask_rows, m.stop_mask_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))

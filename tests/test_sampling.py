@@ -10,7 +10,7 @@ import transformers
 
 from pagellm import LLM, SamplingParams
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.sampler import (SamplingMetadata, _inverse_cdf, apply_min_p, apply_penalties,
+from pagellm.model_executor.sampler import (Sampler, SamplingMetadata, _inverse_cdf, apply_min_p, apply_penalties,
                                              apply_top_k_top_p_min_p, top_k_top_p_probs)
 
 
@@ -162,8 +162,6 @@ def test_penalties_match_a_dense_reference():
 def test_penalised_sampler_keeps_raw_logprobs():
     """The sampler penalises its own fp32 copy in place when nothing else reads it; with logprobs asked, the
     logprobs stay those of the model's raw logits (and the model's logits are never written)."""
-    from pagellm.model_executor.sampler import Sampler
-
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(3, 64, generator=g) * 4).to(torch.bfloat16)
     before = logits.clone()

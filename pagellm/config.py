@@ -87,7 +87,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
-    block_size: int | str = 16
+    block_size: int | str = 32
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True

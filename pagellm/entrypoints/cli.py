@@ -10,7 +10,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", default="16", help="8, 16, 32 or auto")
+    p.add_argument("--block-size", default="32", help="8, 16, 32 or auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")

@@ -20,7 +20,7 @@ class LLM:
     """An engine plus a run-to-completion loop. ``model=None`` loads the default model (SmolLM2-135M-Instruct)."""
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 block_size: int | str = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 block_size: int | str = 32, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  kv_cache_memory: int | str | None = None, seed: int = 0, **kwargs: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,

@@ -43,13 +43,15 @@ def checkpoint(tmp_path_factory):
     return make
 
 
-def run(path: str, fused: bool, prompts, params, **kw):
+def run(path: str, fused: bool, prompts, params, prune: bool = False, **kw):
     llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="32MiB", **kw)
     model = llm.llm_engine.runner.model
     if model.decoder is None:
         pytest.skip("no C++ decoder here (CPU without AMX-BF16)")
     if not fused:
         model.decoder = None
+    # The Python loop has no last-layer pruning; held bit-equal to it, the C++ loop runs without it too
+    model.prune_last_layer = prune
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert pool_is_whole(llm)
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
@@ -69,6 +71,25 @@ def test_fused_layers_equal_the_python_loop(checkpoint, arch):
     assert fused == loop
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral_window"])
+def test_last_layer_pruning_keeps_the_outputs(checkpoint, arch):
+    # In prefill steps the C++ loop's last layer computes attention, O and the MLP only for the rows that get
+    # logits. A 1,500-token prompt over a 1,024-token budget: its first chunk samples nothing (no row kept).
+    # Other kernels then handle the kept rows (the paged kernel, the AMX linear), so bf16 logprobs move by
+    # rounding only; the greedy tokens (decisive logits here) stay.
+    lengths = (1500, 700, 150, 33, 1)
+    prompts = [{"prompt_token_ids": [(i * 29 + n) % 500 + 3 for i in range(n)]} for n in lengths]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    path = checkpoint(arch)
+    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
+    pruned, full = run(path, True, prompts, params, prune=True, **kw), run(path, True, prompts, params, **kw)
+    assert [t for t, _ in pruned] == [t for t, _ in full]
+    for (_, lp_pruned), (_, lp_full) in zip(pruned, full):
+        for a, b in zip(lp_pruned, lp_full):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(abs(x.logprob - y.logprob) < 0.1 for (_, x), (_, y) in zip(a, b))
+
+
 def test_fused_cascade_equals_the_python_loop(checkpoint):
     # 10 requests behind a shared 288-token prefix (prefix cache on): their decode steps take cascade attention
     prefix = [(i * 53) % 500 + 3 for i in range(288)]
@@ -79,6 +100,7 @@ def test_fused_cascade_equals_the_python_loop(checkpoint):
     runner = llm.llm_engine.runner
     if runner.model.decoder is None or not runner.supports_cascade:
         pytest.skip("CPU without AMX-BF16")
+    runner.model.prune_last_layer = False  # bit-equal to the Python loop (see run)
     prepare, used = runner._prepare, []
 
     def spy(so):

@@ -179,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies.
         self.decoder = None
+        self.prune_last_layer = True  # see forward; the tests switch it off to hold the two loops bit-equal
         self._bound_caches: list[torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -187,18 +188,26 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         if self.decoder is not None:
-            x, residual = self._fused_layers(x, rope, kv_caches, meta)
+            # In a prefill step the C++ loop's last layer computes only the rows that get logits and returns them.
+            keep = None
+            if meta.prefill_rows and self.prune_last_layer:
+                req = torch.searchsorted(meta.query_start_loc, logits_indices, right=True) - 1
+                keep = (logits_indices, req, positions[logits_indices] + 1)
+            x, residual = self._fused_layers(x, rope, kv_caches, meta, keep)
+            if keep is None:
+                x, residual = x[logits_indices], residual[logits_indices]
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, rope, kv_cache, meta)
-        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm(x, residual)
         if self.fast_lm_head is not None:
             return self.fast_lm_head(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)
 
-    def _fused_layers(self, x, rope, kv_caches, meta: AttentionMetadata):
+    def _fused_layers(self, x, rope, kv_caches, meta: AttentionMetadata, keep=None):
         if kv_caches is not self._bound_caches:  # the runner passes the same list every step
             views = [self.backend.views(c) for c in kv_caches]
             self.decoder.bind_cache([k for k, _ in views], [v for _, v in views])
@@ -206,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         c = meta.cascade
         return self.decoder.forward(x, *rope, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, bool(meta.prefill_rows), c and c.blocks, c and c.rows,
-                                    c and c.kv_start)
+                                    c and c.kv_start, *(keep or (None, None, None)))
 
     def use_cpu_kernels(self, kernels: CPUKernels) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,

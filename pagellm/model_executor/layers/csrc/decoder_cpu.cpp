@@ -73,11 +73,17 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   // x: the embeddings [T, hidden] (taken over as the residual stream). Returns (last layer's output, residual);
   // the caller adds them in the final norm. prefill: some request has more than one query row.
+  // keep_rows (optional): the only rows whose output the caller uses (those it takes logits of), each with its
+  // request (keep_req) and its context length, position + 1 (keep_seq). The last layer then computes K and V for
+  // every row, which the cache needs, but attention, O and the MLP only for these rows, and returns just them, in
+  // keep_rows' order: in a prefill step all but a few rows are dropped after that layer anyway.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start,
                                              bool prefill, c10::optional<at::Tensor> cascade_blocks,
                                              c10::optional<at::Tensor> cascade_rows,
-                                             c10::optional<at::Tensor> cascade_kv_start) {
+                                             c10::optional<at::Tensor> cascade_kv_start,
+                                             c10::optional<at::Tensor> keep_rows, c10::optional<at::Tensor> keep_req,
+                                             c10::optional<at::Tensor> keep_seq) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "LlamaDecoder: no layers or no bound cache");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: bf16 [T, hidden]");
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
@@ -91,8 +97,14 @@ class LlamaDecoder : public torch::CustomClassHolder {
     const bool cascade = cascade_blocks.has_value() && cascade_blocks->defined();
     at::Tensor lse = cascade ? at::empty({T, H_}, opts.dtype(at::kFloat)) : at::Tensor();
 
+    const bool prune = keep_rows.has_value() && keep_rows->defined();
+    TORCH_CHECK(!prune || (keep_req.has_value() && keep_seq.has_value() && keep_req->size(0) == keep_rows->size(0) &&
+                           keep_seq->size(0) == keep_rows->size(0)), "keep_rows, keep_req, keep_seq: one entry each");
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
+      if (prune && l + 1 == layers_.size()) return last_layer_kept(L, l == 0, residual, h, qkv, q, k, v, cos, sin,
+                                                                   slot_mapping, block_tables, *keep_rows, *keep_req,
+                                                                   *keep_seq);
       {
         PAGELLM_RANGE("pagellm.layer.attention");
         norm(l == 0, residual, h, L.input_norm);
@@ -139,6 +151,36 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
  private:
+  // The last layer for the kept rows only (forward's keep_rows): each kept row attends as a request of one row
+  // whose context ends at its own position, so any set of rows works (several of one request too).
+  std::tuple<at::Tensor, at::Tensor> last_layer_kept(const Layer& L, bool first, at::Tensor& residual, at::Tensor& h,
+                                                     at::Tensor& qkv, const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                                                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                     const at::Tensor& rows, const at::Tensor& req,
+                                                     const at::Tensor& seq) const {
+    PAGELLM_RANGE("pagellm.layer.last_kept_rows");
+    norm(first, residual, h, L.input_norm);
+    linear(h, L.qkv, qkv);
+    rotary_embedding(q, k, cos, sin);
+    write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
+    const int64_t n = rows.size(0), hidden = h.size(1);
+    at::Tensor hk = at::empty({n, hidden}, h.options()), rk = residual.index_select(0, rows);
+    if (n == 0) return {hk, rk};
+    const at::Tensor qk = q.index_select(0, rows);
+    at::Tensor attn = at::empty_like(qk);
+    paged_attention(qk, L.k_cache, L.v_cache, block_tables.index_select(0, req), seq,
+                    at::arange(n + 1, seq.options()), attn, scale_, L.window, kernel_max_query_, c10::nullopt,
+                    c10::nullopt);
+    linear(attn.view({n, H_ * D_}), L.o, hk);
+    norm(false, rk, hk, L.post_norm);
+    at::Tensor gate_up = at::empty({n, 2 * I_}, h.options()), act = at::empty({n, I_}, h.options());
+    linear(hk, L.gate_up, gate_up);
+    silu_and_mul(gate_up, act);
+    linear(act, L.down, hk);
+    return {hk, rk};
+  }
+
   // first: h = rms_norm(residual); else residual += h, h = rms_norm(residual) (in place)
   void norm(bool first, at::Tensor& residual, at::Tensor& h, const at::Tensor& weight) const {
     PAGELLM_RANGE("pagellm::add_rms_norm");

@@ -57,16 +57,22 @@ def run(path: str, fused: bool, prompts, params, prune: bool = False, **kw):
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
+def token_prompts(lengths, step: int) -> list[dict]:
+    return [{"prompt_token_ids": [(i * step + n) % 500 + 3 for i in range(n)]} for n in lengths]
+
+
+CHUNKED = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_fused_layers_equal_the_python_loop(checkpoint, arch):
     # prompts of 700 (over AMX_MAX_ROWS in one chunk), 150, 33, 20 and 1 tokens, then decode steps mixed with
     # the later chunks; logprobs (not only tokens) must be identical
     lengths = (700, 150, 33, 20, 1)
-    prompts = [{"prompt_token_ids": [(i * 31 + n) % 500 + 3 for i in range(n)]} for n in lengths]
+    prompts = token_prompts(lengths, 31)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     path = checkpoint(arch)
-    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
-    fused, loop = run(path, True, prompts, params, **kw), run(path, False, prompts, params, **kw)
+    fused, loop = run(path, True, prompts, params, **CHUNKED), run(path, False, prompts, params, **CHUNKED)
     assert [len(t) for t, _ in fused] == [12] * len(lengths)
     assert fused == loop
 
@@ -77,12 +83,11 @@ def test_last_layer_pruning_keeps_the_outputs(checkpoint, arch):
     # logits. A 1,500-token prompt over a 1,024-token budget: its first chunk samples nothing (no row kept).
     # Other kernels then handle the kept rows (the paged kernel, the AMX linear), so bf16 logprobs move by
     # rounding only; the greedy tokens (decisive logits here) stay.
-    lengths = (1500, 700, 150, 33, 1)
-    prompts = [{"prompt_token_ids": [(i * 29 + n) % 500 + 3 for i in range(n)]} for n in lengths]
+    prompts = token_prompts((1500, 700, 150, 33, 1), 29)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     path = checkpoint(arch)
-    kw = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
-    pruned, full = run(path, True, prompts, params, prune=True, **kw), run(path, True, prompts, params, **kw)
+    pruned = run(path, True, prompts, params, prune=True, **CHUNKED)
+    full = run(path, True, prompts, params, **CHUNKED)
     assert [t for t, _ in pruned] == [t for t, _ in full]
     for (_, lp_pruned), (_, lp_full) in zip(pruned, full):
         for a, b in zip(lp_pruned, lp_full):

@@ -106,7 +106,8 @@ def test_abort_frees_blocks(llm):
 
 
 def test_request_that_exceeds_the_whole_pool_is_rejected(gguf_path):
-    small = LLM(model=str(gguf_path), dtype="float32", block_size=16, kv_cache_memory=4 * 737280)  # 4 blocks of 16 tokens
+    # 4 blocks of 16 tokens
+    small = LLM(model=str(gguf_path), dtype="float32", block_size=16, kv_cache_memory=4 * 737280)
     with pytest.raises(ValueError, match="KV blocks"):
         small.generate({"prompt_token_ids": list(range(40, 100))}, SamplingParams(max_tokens=10), use_tqdm=False)
     out = small.generate({"prompt_token_ids": list(range(40, 60))}, SamplingParams(max_tokens=10), use_tqdm=False)

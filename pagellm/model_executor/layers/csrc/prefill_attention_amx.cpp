@@ -70,7 +70,7 @@ struct Args {
 };
 
 struct Task {
-  int64_t r, h, i0, rows, cost;  // request, kv head, first query row of the request's chunk, rows (<= 16)
+  int64_t r, h, i0, rows, cost;  // request, kv head, first query row of the request's chunk, rows (<= kRows)
 };
 
 constexpr int64_t kHeadMajor = int64_t(1) << 40;  // a task's cost per kv head (prefill_attention_amx)

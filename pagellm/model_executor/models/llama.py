@@ -187,19 +187,18 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (model dtype)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        keep = None
         if self.decoder is not None:
             # In a prefill step the C++ loop's last layer computes only the rows that get logits and returns them.
-            keep = None
             if meta.prefill_rows and self.prune_last_layer:
                 req = torch.searchsorted(meta.query_start_loc, logits_indices, right=True) - 1
                 keep = (logits_indices, req, positions[logits_indices] + 1)
             x, residual = self._fused_layers(x, rope, kv_caches, meta, keep)
-            if keep is None:
-                x, residual = x[logits_indices], residual[logits_indices]
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, rope, kv_cache, meta)
+        if keep is None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
         if self.fast_lm_head is not None:

@@ -102,9 +102,6 @@ class LlamaDecoder : public torch::CustomClassHolder {
                            keep_seq->size(0) == keep_rows->size(0)), "keep_rows, keep_req, keep_seq: one entry each");
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& L = layers_[l];
-      if (prune && l + 1 == layers_.size()) return last_layer_kept(L, l == 0, residual, h, qkv, q, k, v, cos, sin,
-                                                                   slot_mapping, block_tables, *keep_rows, *keep_req,
-                                                                   *keep_seq);
       {
         PAGELLM_RANGE("pagellm.layer.attention");
         norm(l == 0, residual, h, L.input_norm);
@@ -119,6 +116,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
             PAGELLM_RANGE("pagellm::write_kv_cache");
             write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
           }
+          if (prune && l + 1 == layers_.size())
+            return kept_rows_rest(L, residual, h, q, block_tables, *keep_rows, *keep_req, *keep_seq);
           const bool casc = cascade && L.window == 0;
           {
             PAGELLM_RANGE("pagellm::paged_attention");
@@ -151,19 +150,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
  private:
-  // The last layer for the kept rows only (forward's keep_rows): each kept row attends as a request of one row
-  // whose context ends at its own position, so any set of rows works (several of one request too).
-  std::tuple<at::Tensor, at::Tensor> last_layer_kept(const Layer& L, bool first, at::Tensor& residual, at::Tensor& h,
-                                                     at::Tensor& qkv, const at::Tensor& q, const at::Tensor& k,
-                                                     const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                                                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                                     const at::Tensor& rows, const at::Tensor& req,
-                                                     const at::Tensor& seq) const {
+  // The last layer past its K/V write, for the kept rows only (forward's keep_rows): each kept row attends as a
+  // request of one row whose context ends at its own position, so any set of rows works (several of one request).
+  std::tuple<at::Tensor, at::Tensor> kept_rows_rest(const Layer& L, const at::Tensor& residual, const at::Tensor& h,
+                                                    const at::Tensor& q, const at::Tensor& block_tables,
+                                                    const at::Tensor& rows, const at::Tensor& req,
+                                                    const at::Tensor& seq) const {
     PAGELLM_RANGE("pagellm.layer.last_kept_rows");
-    norm(first, residual, h, L.input_norm);
-    linear(h, L.qkv, qkv);
-    rotary_embedding(q, k, cos, sin);
-    write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
     const int64_t n = rows.size(0), hidden = h.size(1);
     at::Tensor hk = at::empty({n, hidden}, h.options()), rk = residual.index_select(0, rows);
     if (n == 0) return {hk, rk};

@@ -10,6 +10,9 @@
 // chunk's x stays in its L2), and inside a chunk takes its 32-column blocks in order, running every 32-row block
 // of the chunk against one block's w panel (in L1/L2 after the first). For a decode step (tens of rows) that is
 // one pass over w, which streams from memory once; for a prefill chunk w is read once per row chunk.
+// While a block runs, the next block's panels are prefetched into L2, a slice per row block and a few lines per
+// 32-deep step. Into L2 rather than L1, and spread over all the row blocks rather than issued by the first:
+// 0.89-0.94x the time at 1-512 rows (SmolLM2's 120 linears, 10 alternating pairs per row count, two runs).
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -30,10 +33,11 @@ constexpr int64_t kRowChunk = 256;
 
 // Tiles (configure_tiles): C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
 // One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32.
-// pf: the next block's two panels, fetched into L1 slice by slice alongside (null: none).
+// pf, pf_bytes: a slice of the next column block's panels, fetched into L2 alongside, evenly over the k-steps.
 template <int MB, int NB>
-void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64_t kc_n, const bf16* const* pf,
-           float* c) {
+void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64_t kc_n, const char* pf,
+           int64_t pf_bytes, float* c) {
+  const int64_t pf_step = ((pf_bytes + kc_n - 1) / kc_n + 63) / 64 * 64;  // whole lines per k-step
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (MB > 1) _tile_zero(2);
@@ -46,12 +50,8 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
   for (int64_t kc = 0; kc < kc_n; ++kc) {
     const bool more = kc + 1 < kc_n;
     const int64_t ka = (kc + 1) * 32, kb = (kc + 1) * 512;
-    if (pf) {
-      for (int i = 0; i < 2; ++i) {
-        const char* p = reinterpret_cast<const char*>(pf[i] + kc * 512);
-        for (int l = 0; l < 1024; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-      }
-    }
+    for (int64_t o = kc * pf_step, end = std::min(pf_bytes, o + pf_step); o < end; o += 64)
+      _mm_prefetch(pf + o, _MM_HINT_T1);
     _tile_dpbf16ps(0, 4, 6);
     if (NB > 1) _tile_dpbf16ps(1, 4, 7);
     if (more) _tile_loadd(4, a[0] + ka, sa0);
@@ -104,8 +104,10 @@ void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n
       const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
       const int64_t cols = std::min<int64_t>(32, N - n0);
       const bf16* b[2] = {bp + t0 * panel, bp + (t0 + nt - 1) * panel};
-      const int64_t t1 = std::min(t0 + 2, tiles_n - 1);  // the next block's panels
-      const bf16* next[2] = {bp + t1 * panel, bp + std::min(t1 + 1, tiles_n - 1) * panel};
+      // The next block's panels (contiguous after this block's), a slice per row block of the chunk.
+      const char* next = reinterpret_cast<const char*>(bp + (t0 + nt) * panel);
+      const int64_t next_bytes = nb + 1 < nb1 ? (std::min<int64_t>(t0 + 4, tiles_n) - t0 - nt) * panel * 2 : 0;
+      const int64_t row_blocks = (mc_end - mc + 31) / 32;
       for (int64_t m0 = mc; m0 < mc_end; m0 += 32) {
         const int64_t rows = std::min<int64_t>(32, mc_end - m0), mt = (rows + 15) / 16;
         const bf16* a[2];
@@ -115,11 +117,12 @@ void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n
           a[i] = r < full ? x + r * lda : tail.data();
           ld[i] = r < full ? lda : K;
         }
-        const bf16* const* pf = m0 == mc && nb + 1 < nb1 ? next : nullptr;
-        if (mt == 2 && nt == 2) block<2, 2>(a, ld, b, kc_n, pf, c);
-        else if (mt == 2) block<2, 1>(a, ld, b, kc_n, pf, c);
-        else if (nt == 2) block<1, 2>(a, ld, b, kc_n, pf, c);
-        else block<1, 1>(a, ld, b, kc_n, pf, c);
+        const int64_t i = (m0 - mc) / 32, lo = next_bytes * i / row_blocks / 64 * 64;
+        const int64_t hi = i + 1 == row_blocks ? next_bytes : next_bytes * (i + 1) / row_blocks / 64 * 64;
+        if (mt == 2 && nt == 2) block<2, 2>(a, ld, b, kc_n, next + lo, hi - lo, c);
+        else if (mt == 2) block<2, 1>(a, ld, b, kc_n, next + lo, hi - lo, c);
+        else if (nt == 2) block<1, 2>(a, ld, b, kc_n, next + lo, hi - lo, c);
+        else block<1, 1>(a, ld, b, kc_n, next + lo, hi - lo, c);
         store_block(c, rows, n0, cols, bias, y + m0 * ldy, ldy);
       }
     }

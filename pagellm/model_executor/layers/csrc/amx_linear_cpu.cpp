@@ -106,7 +106,8 @@ void columns(const bf16* x, int64_t lda, int64_t M, const bf16* bp, int64_t kc_n
       const bf16* b[2] = {bp + t0 * panel, bp + (t0 + nt - 1) * panel};
       // The next block's panels (contiguous after this block's), a slice per row block of the chunk.
       const char* next = reinterpret_cast<const char*>(bp + (t0 + nt) * panel);
-      const int64_t next_bytes = nb + 1 < nb1 ? (std::min<int64_t>(t0 + 4, tiles_n) - t0 - nt) * panel * 2 : 0;
+      const int64_t next_tiles = nb + 1 < nb1 ? std::min<int64_t>(t0 + 4, tiles_n) - t0 - nt : 0;
+      const int64_t next_bytes = next_tiles * panel * static_cast<int64_t>(sizeof(bf16));
       const int64_t row_blocks = (mc_end - mc + 31) / 32;
       for (int64_t m0 = mc; m0 < mc_end; m0 += 32) {
         const int64_t rows = std::min<int64_t>(32, mc_end - m0), mt = (rows + 15) / 16;

@@ -13,9 +13,8 @@ SHARED_BENCH=${SHARED_BENCH:-../shared/bench}
 OUT=$(mktemp -d)
 echo "workload $WORKLOAD, dtype $DTYPE, $(nproc) cores; results in $OUT" >&2
 
-# Build pagellm's CPU kernels first (a no-op when they are cached): a build inside the timed engine's start would
-# run ~40 s of compiler on both cores right before its measurement (2026-12-01: a run that built took 15.1 s,
-# the next one, cached, 11.8 s; vLLM took 14.9 and 15.6 s).
+# Build pagellm's CPU kernels first (a no-op when they are cached), so a build never runs ~40 s of compiler on
+# both cores inside the timed engine's start, right before its measurement.
 .venv/bin/python -m pagellm.model_executor.layers.cpu_kernels >"$OUT/build.log" 2>&1 || echo "kernel build failed: $OUT/build.log" >&2
 .venv/bin/pagellm bench throughput --workload "$WORKLOAD" --dtype "$DTYPE" 2>"$OUT/pagellm.log" | grep '^{' | tail -1 > "$OUT/pagellm.json"
 cat "$OUT/pagellm.json"

@@ -12,7 +12,8 @@
 // one pass over w, which streams from memory once; for a prefill chunk w is read once per row chunk.
 // While a block runs, the next block's panels are prefetched into L2, a slice per row block and a few lines per
 // 32-deep step. Into L2 rather than L1, and spread over all the row blocks rather than issued by the first:
-// 0.89-0.94x the time at 1-512 rows (SmolLM2's 120 linears, 10 alternating pairs per row count, two runs).
+// 0.89-0.94x the time at 1-512 rows (SmolLM2's 120 linears against the previous build, 10 alternating pairs per
+// row count in one process, two runs; `python bench/kernels.py` times the kernel per row count).
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>

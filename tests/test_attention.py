@@ -111,6 +111,23 @@ def test_mixed_batch_matches_dense(backend_cls, dtype, block_size, window, heads
 
 @pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 2, 48)], ids=["d64", "d128", "d48"])
+def test_many_requests_match_dense(backend_cls, dtype, window, heads, kv_heads, dim):
+    # with at least 4 requests per thread the C++ kernel gives each task all of a request's kv heads
+    R = 4 * torch.get_num_threads() + 3
+    q_lens = [1 if r % 4 else 3 + r % 5 for r in range(R)]
+    ctx_lens = [q + 7 * r for r, q in enumerate(q_lens)]
+    backend = backend_cls(kv_heads, dim, 16)
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, 16, dtype, heads, kv_heads, dim, seed=5)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_then_gather_round_trips(backend_cls, dtype):
     kv_heads, dim, bs = 2, 32, 8
     backend = backend_cls(kv_heads, dim, bs)

@@ -11,8 +11,9 @@
 //
 // paged_attention: q [T, H, D] (rows may be strided); request r owns rows query_start[r] .. query_start[r+1]-1,
 // the last positions of its context of seq_lens[r] tokens held in block_tables[r]. A task is (request, kv
-// head, up to 16 consecutive query rows): it reads the keys and values once for all its rows and the G = H/Hkv
-// query heads sharing the kv head (GQA), computes every score (fp32), a causal (and sliding-window) softmax
+// head, up to 16 consecutive query rows), or with many requests (request, all kv heads, rows): it reads the
+// keys and values once for all its rows and the G = H/Hkv query heads sharing each kv head (GQA), block by
+// block, computes every score (fp32), a causal (and sliding-window) softmax
 // per row, then the weighted sum of values (fp32). A decode row is simply a task of one row. Threads take
 // tasks, largest first, from a shared counter. Requests with more than max_query_len rows are skipped: for long
 // prefill chunks the caller's AMX-backed flash attention is faster than these FMA loops (measured crossover
@@ -53,8 +54,9 @@ inline int64_t key_lo(const Args& a, int64_t r, int64_t p) {
 }
 
 struct Task {
-  int64_t r, h, i0, nrows;  // request, kv head, first query row (relative to the request), rows
+  int64_t r, h, i0, nrows;  // request, first kv head, first query row (relative to the request), rows
   int64_t cost;
+  int64_t nh = 1;           // kv heads h .. h + nh - 1
 };
 
 // Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
@@ -167,25 +169,36 @@ inline void values_tail(const Args& a, const Task& t, const Span& s, const float
 template <int C, typename T>
 void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
   const Span s = span_of(a, t);
-  const int64_t nv = t.nrows * a.G, B = a.B;
-  for (int64_t b = s.b0; b <= s.b1; ++b) {
-    const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + t.h * a.k_sh;
-    // Pull the next block's keys and this block's values towards the core while the FMAs run.
-    const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + t.h * a.k_sh)
-                              : nullptr;
-    const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh);
-    for (int64_t t0 = 0; t0 < B; t0 += 16) {
-      const int64_t w = std::min<int64_t>(16, B - t0);
-      scores_for<C, T>(a, qf, kb, t0, static_cast<__mmask16>((1u << w) - 1), S + (b - s.b0) * B, s.ns, nv,
-                       kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
+  const int64_t nv = t.nrows * a.G, B = a.B, D = a.D;
+  // Block by block, and within a block head by head: a block's kv heads lie next to each other, so a task over
+  // all of them reads each block's keys as one run (and a request's consecutive blocks as one stream).
+  for (int64_t b = s.b0; b <= s.b1; ++b)
+    for (int64_t h = t.h; h < t.h + t.nh; ++h) {
+      const int64_t j = h - t.h;
+      const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + h * a.k_sh;
+      // Pull the next block's keys and this block's values towards the core while the FMAs run.
+      const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + h * a.k_sh)
+                                : nullptr;
+      const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + h * a.v_sh);
+      for (int64_t t0 = 0; t0 < B; t0 += 16) {
+        const int64_t w = std::min<int64_t>(16, B - t0);
+        scores_for<C, T>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1),
+                         S + j * nv * s.ns + (b - s.b0) * B, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
+                         vb + t0 * 16 * C * sizeof(T));
+      }
     }
-  }
-  softmax_rows(a, t, s, S);
   // Vectors per pass: their accumulators (NV * C registers) stay in registers.
   constexpr int NV = C >= 8 ? (C >= 16 ? 1 : 2) : 4;
-  int64_t v = 0;
-  for (; v + NV <= nv; v += NV) values_for<NV, C, T>(a, t, s, S, vc, v, of);
-  if (v < nv) values_tail<C, T, NV - 1>(a, t, s, S, vc, v, nv - v, of);
+  for (int64_t j = 0; j < t.nh; ++j) {
+    Task th = t;
+    th.h = t.h + j, th.nh = 1;
+    float* Sh = S + j * nv * s.ns;
+    float* oh = of + j * nv * D;
+    softmax_rows(a, th, s, Sh);
+    int64_t v = 0;
+    for (; v + NV <= nv; v += NV) values_for<NV, C, T>(a, th, s, Sh, vc, v, oh);
+    if (v < nv) values_tail<C, T, NV - 1>(a, th, s, Sh, vc, v, nv - v, oh);
+  }
 }
 #endif
 
@@ -203,16 +216,18 @@ void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* v
               std::vector<float>& S, std::vector<float>& of) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, D = a.D;
-  qf.resize(nv * D);
-  of.resize(nv * D);
-  S.resize(nv * s.ns);
+  qf.resize(t.nh * nv * D);
+  of.resize(t.nh * nv * D);
+  S.resize(t.nh * nv * s.ns);
   const int64_t row0 = a.qs[t.r] + t.i0;
-  for (int64_t i = 0; i < t.nrows; ++i)
-    for (int64_t g = 0; g < a.G; ++g) {
-      const T* q = qp + (row0 + i) * a.q_s0 + (t.h * a.G + g) * a.q_s1;
-      float* f = qf.data() + (i * a.G + g) * D;
-      for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * a.scale;
-    }
+  // Head j of the task's kv heads holds its vectors j * nv .. j * nv + nv - 1 in qf, S and of.
+  for (int64_t j = 0; j < t.nh; ++j)
+    for (int64_t i = 0; i < t.nrows; ++i)
+      for (int64_t g = 0; g < a.G; ++g) {
+        const T* q = qp + (row0 + i) * a.q_s0 + ((t.h + j) * a.G + g) * a.q_s1;
+        float* f = qf.data() + ((j * t.nrows + i) * a.G + g) * D;
+        for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * a.scale;
+      }
   bool done = false;
 #if defined(__AVX512F__)
   done = true;
@@ -226,13 +241,19 @@ void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* v
     default: done = false;
   }
 #endif
-  if (!done) attend_generic<T>(a, t, qf.data(), kc, vc, S.data(), of.data());
-  for (int64_t i = 0; i < t.nrows; ++i)
-    for (int64_t g = 0; g < a.G; ++g) {
-      T* o = op + (row0 + i) * a.o_s0 + (t.h * a.G + g) * a.o_s1;
-      const float* f = of.data() + (i * a.G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(f[d]);
+  if (!done)
+    for (int64_t j = 0; j < t.nh; ++j) {
+      Task th = t;
+      th.h = t.h + j, th.nh = 1;
+      attend_generic<T>(a, th, qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns, of.data() + j * nv * D);
     }
+  for (int64_t j = 0; j < t.nh; ++j)
+    for (int64_t i = 0; i < t.nrows; ++i)
+      for (int64_t g = 0; g < a.G; ++g) {
+        T* o = op + (row0 + i) * a.o_s0 + ((t.h + j) * a.G + g) * a.o_s1;
+        const float* f = of.data() + ((j * t.nrows + i) * a.G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(f[d]);
+      }
 }
 
 template <typename T>
@@ -248,6 +269,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   a.scale = static_cast<float>(scale), a.window = window;
   a.kv_start = kv_start, a.lse = lse, a.lse_s0 = lse_s0;
   const int64_t R = seq_lens.size(0);
+  // One task per request and kv head, or per request over all its kv heads when there are requests enough to
+  // keep every thread busy: then each block's keys are read as one run of Hkv heads. 64 decodes x 30 layers,
+  // ~360-token contexts, alternating in one process: 0.97-0.98x the time (blocks in order or shuffled).
+  const int64_t heads_per_task = R >= 4 * at::get_num_threads() ? a.Hkv : 1;
 
   std::vector<Task> tasks;
   for (int64_t r = 0; r < R; ++r) {
@@ -257,10 +282,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                 ": kv_start ", a.kv_start ? a.kv_start[r] : 0, " past its first query position ", a.seq[r] - qlen);
     if (qlen > max_query_len) continue;  // left to the caller
     for (int64_t i0 = 0; i0 < qlen; i0 += kTileRows)
-      for (int64_t h = 0; h < a.Hkv; ++h) {
-        Task t{r, h, i0, std::min(kTileRows, qlen - i0), 0};
+      for (int64_t h = 0; h < a.Hkv; h += heads_per_task) {
+        Task t{r, h, i0, std::min(kTileRows, qlen - i0), 0, heads_per_task};
         const Span s = span_of(a, t);
-        t.cost = t.nrows * (s.khi - s.klo) + 64;
+        t.cost = heads_per_task * t.nrows * (s.khi - s.klo) + 64;
         tasks.push_back(t);
       }
   }

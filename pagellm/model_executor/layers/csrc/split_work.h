@@ -1,0 +1,57 @@
+// Work split for kernels whose threads may run at different speeds.
+//
+// On a shared machine the cores do not keep one speed: on the project's 2-core VM one core measured 0.6-1.5x the
+// other's time on the same linears, the ratio changing within seconds (a neighbour on a sibling hyperthread). A
+// static split (at::parallel_for's equal ranges) then waits for the slow core while the fast one idles.
+// claim_from_both_ends hands out [0, n) in shrinking claims instead: even threads take from the front, ascending,
+// odd threads from the back, descending, each claim about a 2T-th of what is left (but at least min_claim), so
+// a fast thread ends up with more, a handful of atomic operations per call, and each thread still walks
+// neighbouring items in order (what lets a kernel prefetch its next item).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace pagellm {
+
+// body(lo, hi, ascending) runs items [lo, hi) in the given direction; body is called from several threads.
+template <typename Body>
+void claim_from_both_ends(int64_t n, int64_t min_claim, Body&& body) {
+  if (n <= 0) return;
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), (n + min_claim - 1) / min_claim);
+  if (T <= 1 || at::in_parallel_region()) {
+    body(int64_t{0}, n, true);
+    return;
+  }
+  // Claimed counts from the front (low 32 bits) and from the back (high 32 bits) in one word, so one atomic add
+  // both claims and sees every claim before it: a claim clamped to what the other end has not taken never
+  // overlaps it (the counts may run past n; what lies past the other end's claims is not handed out).
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      const bool front = tid % 2 == 0;
+      while (true) {
+        const int64_t seen = claimed.load(std::memory_order_relaxed);
+        const int64_t left = n - (seen & 0xffffffff) - (seen >> 32);
+        if (left <= 0) break;
+        const int64_t size = std::max(min_claim, left / (2 * T));
+        const int64_t old = claimed.fetch_add(front ? size : size << 32);
+        const int64_t f = old & 0xffffffff, b = old >> 32;
+        if (front) {
+          const int64_t lo = f, hi = std::min(f + size, n - b);
+          if (lo >= hi) break;
+          body(lo, hi, true);
+        } else {
+          const int64_t hi = n - b, lo = std::max(n - b - size, f);
+          if (lo >= hi) break;
+          body(lo, hi, false);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace pagellm

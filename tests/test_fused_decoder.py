@@ -2,7 +2,7 @@
 
 Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
 the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
-over AMX_MAX_ROWS (oneDNN), sliding windows, biases (q/k/v, o, MLP), and cascade attention over a shared prefix.
+over AMX_MAX_ROWS lowered to 512 (oneDNN), sliding windows, biases (q/k/v, o, MLP), and cascade attention over a shared prefix.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 import transformers
 
 from pagellm import LLM, SamplingParams
+from pagellm.model_executor.layers import linear
+from pagellm.model_executor.models import llama
 
 from conftest import pool_is_whole
 
@@ -64,10 +66,14 @@ def token_prompts(lengths, step: int) -> list[dict]:
 CHUNKED = dict(enable_prefix_caching=False, max_num_batched_tokens=1024)
 
 
+@pytest.mark.parametrize("amx_max_rows", [None, 512], ids=["amx", "onednn_over_512"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_fused_layers_equal_the_python_loop(checkpoint, arch):
-    # prompts of 700 (over AMX_MAX_ROWS in one chunk), 150, 33, 20 and 1 tokens, then decode steps mixed with
-    # the later chunks; logprobs (not only tokens) must be identical
+def test_fused_layers_equal_the_python_loop(checkpoint, arch, amx_max_rows, monkeypatch):
+    # prompts of 700 (over 512 rows in one chunk: oneDNN when AMX_MAX_ROWS is 512), 150, 33, 20 and 1 tokens, then
+    # decode steps mixed with the later chunks; logprobs (not only tokens) must be identical
+    if amx_max_rows is not None:
+        monkeypatch.setattr(linear, "AMX_MAX_ROWS", amx_max_rows)
+        monkeypatch.setattr(llama, "AMX_MAX_ROWS", amx_max_rows)
     lengths = (700, 150, 33, 20, 1)
     prompts = token_prompts(lengths, 31)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)

@@ -4,7 +4,7 @@
 decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
 than the multiply. So each layer keeps, next to its plain weight (used for prefill chunks, where the two are even),
 one pre-packed copy, the best this CPU offers:
-  - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, up to AMX_MAX_ROWS rows;
+  - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, for every row count (AMX_MAX_ROWS);
   - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
     (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows.
 The copy costs the weights' size once more (~270 MB for the default model). ``python bench/kernels.py`` times
@@ -14,9 +14,13 @@ every path on SmolLM2's 120 layer linears (bf16, round-robin, medians of 5); one
   AMX      14.3   12.6   16.3   60.3   80.2  278.0  482.3
   stream   13.2   14.5      -      -      -      -      -
   oneDNN   21.7   19.3   20.4      -      -      -      -
-(the machine is noisy: compare within a column). So AMX serves up to 512 rows (decode steps, short prompts, the
-tail of a prefill) and plain F.linear (oneDNN) the long prefill chunks. fp32 keeps the plain path only, which
-is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly the reference's.
+(the machine is noisy: compare within a column). AMX served up to 512 rows and oneDNN the longer prefill chunks
+until the AMX kernel's threads claimed their work from both ends (2026-12-01): at 2,048 rows it then matched
+oneDNN's GEMM when the two cores ran alike (605-615 against 613 ms for the 120 linears) and beat oneDNN's static
+split when they did not. workload_64's 2,048-token prefill steps alternating between the two in one process,
+4 passes: median 885 against 923 ms; the whole workload in 4 alternating pairs: 0.89-1.04x (median 0.94x).
+So AMX serves every row count. fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
+fp32 greedy tokens stay exactly the reference's.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from torch import nn
 
 logger = logging.getLogger("pagellm")
 
-AMX_MAX_ROWS = 512
+AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 

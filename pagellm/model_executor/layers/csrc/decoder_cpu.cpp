@@ -11,7 +11,8 @@
 //   h = add_rms_norm(h, residual)  (layer 0: rms_norm of the embeddings, which become the residual)
 //   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
 //   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu_and_mul(linear(h)))
-// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows, oneDNN (at::mm) above.
+// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
+// layers/linear.py), oneDNN (at::mm) above.
 // Attention: the paged kernel for decode rows and short chunks, the AMX prefill kernel for longer chunks, and
 // for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>

@@ -145,6 +145,28 @@ def test_amx_linear_matches_fp32_matmul(rows):
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+@pytest.mark.parametrize("rows", [1, 64, 520, 2100])
+def test_amx_linear_is_the_same_on_any_thread_count(rows):
+    # threads claim blocks from both ends of the work (several threads per end from 3 on): every output block
+    # must be computed exactly once, whoever computes it
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    torch.manual_seed(7)
+    x, w = torch.randn(rows, 576).bfloat16(), torch.randn(1000, 576).bfloat16()
+    packed, threads, outs = pack_amx(w), torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            out = torch.full((rows, 1000), float("nan"), dtype=torch.bfloat16)
+            ops.amx_linear(x, packed, None, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_bf16_stores_round_denormals_and_nan_as_torch():
     # the kernels' bf16 stores take AVX512-BF16's conversion, which flushes denormals to zero; a vector holding
     # one must still round as torch does (add_rms_norm stores residual = x + residual). NaN stays NaN (torch's

@@ -1,8 +1,9 @@
 // Work split for kernels whose threads may run at different speeds.
 //
 // On a shared machine the cores do not keep one speed: on the project's 2-core VM one core measured 0.6-1.5x the
-// other's time on the same linears, the ratio changing within seconds (a neighbour on a sibling hyperthread). A
-// static split (at::parallel_for's equal ranges) then waits for the slow core while the fast one idles.
+// other's time on the same linears, pinned one thread to each in turn, the ratio changing within seconds (the
+// host's other load, presumably). A static split (at::parallel_for's equal ranges, oneDNN's) then waits for the
+// slow core while the fast one spins (libgomp's spin-wait: 8.5% of a decode step's perf samples).
 // claim_from_both_ends hands out [0, n) in shrinking claims instead: even threads take from the front, ascending,
 // odd threads from the back, descending, each claim about a 2T-th of what is left (but at least min_claim), so
 // a fast thread ends up with more, a handful of atomic operations per call, and each thread still walks

@@ -2,8 +2,8 @@
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it re-packs on every call. With a few rows of input (a
 decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
-than the multiply. So each layer keeps, next to its plain weight (used for prefill chunks, where the two are even),
-one pre-packed copy, the best this CPU offers:
+than the multiply. So each layer keeps, next to its plain weight (for fp32, and for prefill chunks on CPUs without
+AMX, where the two are even), one pre-packed copy, the best this CPU offers:
   - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, for every row count (AMX_MAX_ROWS);
   - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
     (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows.

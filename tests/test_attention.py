@@ -88,6 +88,16 @@ def backends():
     return out
 
 
+def assert_matches_dense(backend, q_lens, ctx_lens, block_size, dtype, heads, kv_heads, dim, window, seed=0):
+    """One step of the backend over make_case's batch against dense_reference (fp64)."""
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, dtype, heads, kv_heads,
+                                                   dim, seed)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
 @pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -98,15 +108,8 @@ def test_mixed_batch_matches_dense(backend_cls, dtype, block_size, window, heads
     # decodes with short and long contexts, a fresh prompt, a later chunk of a prompt, a decode at position 0;
     # head shapes cover the kernel's grouped path, its split into subgroups (9 heads per kv head: 6 + 3; d128:
     # 3 + 1) and the portable C++ path (d48)
-    q_lens = [1, 1, 7, 1, 12, 1]
-    ctx_lens = [1, 40, 7, 100, 30, 17]
-    backend = backend_cls(kv_heads, dim, block_size)
-    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, dtype, heads, kv_heads,
-                                                   dim)
-    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
-    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    assert_matches_dense(backend_cls(kv_heads, dim, block_size), [1, 1, 7, 1, 12, 1], [1, 40, 7, 100, 30, 17],
+                         block_size, dtype, heads, kv_heads, dim, window)
 
 
 @pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
@@ -118,12 +121,8 @@ def test_many_requests_match_dense(backend_cls, dtype, window, heads, kv_heads, 
     R = 4 * torch.get_num_threads() + 3
     q_lens = [1 if r % 4 else 3 + r % 5 for r in range(R)]
     ctx_lens = [q + 7 * r for r, q in enumerate(q_lens)]
-    backend = backend_cls(kv_heads, dim, 16)
-    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, 16, dtype, heads, kv_heads, dim, seed=5)
-    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
-    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    assert_matches_dense(backend_cls(kv_heads, dim, 16), q_lens, ctx_lens, 16, dtype, heads, kv_heads, dim, window,
+                         seed=5)
 
 
 @pytest.mark.parametrize("backend_cls", backends(), ids=lambda c: c.__name__)
@@ -151,14 +150,8 @@ def test_write_then_gather_round_trips(backend_cls, dtype):
 def test_long_prefill_chunks_match_dense(backend_cls, dtype, window, heads, kv_heads, dim):
     # chunks spanning several 16-row tiles: a whole prompt, a late chunk after a cached prefix, a chunk whose
     # length is not a multiple of the tile, next to decode rows
-    q_lens = [70, 1, 33, 1, 17]
-    ctx_lens = [70, 90, 160, 5, 50]
-    backend = backend_cls(kv_heads, dim, 16)
-    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, 16, dtype, heads, kv_heads, dim, seed=3)
-    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window)
-    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    assert_matches_dense(backend_cls(kv_heads, dim, 16), [70, 1, 33, 1, 17], [70, 90, 160, 5, 50], 16, dtype, heads,
+                         kv_heads, dim, window, seed=3)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

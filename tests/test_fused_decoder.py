@@ -2,7 +2,8 @@
 
 Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
 the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
-over AMX_MAX_ROWS lowered to 512 (oneDNN), sliding windows, biases (q/k/v, o, MLP), and cascade attention over a shared prefix.
+over AMX_MAX_ROWS lowered to 512 (oneDNN), sliding windows, biases (q/k/v, o, MLP), and cascade attention over a
+shared prefix.
 """
 from __future__ import annotations
 

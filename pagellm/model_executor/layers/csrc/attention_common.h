@@ -2,34 +2,14 @@
 // tile, the weighted sum of a block's values, softmax. See paged_attention_cpu.cpp for the layout.
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
 #include "vec.h"
 
 namespace pagellm {
-
-// Runs the tasks on all threads, largest cost first, each thread taking the next from a shared counter (tasks of
-// one step differ a lot in size). thread_loop(next) is one thread's loop: it calls next() until that returns null;
-// its per-thread set-up and scratch go around the loop.
-template <typename Task, typename ThreadLoop>
-void run_largest_first(std::vector<Task>& tasks, ThreadLoop&& thread_loop) {
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    thread_loop([&]() -> const Task* {
-      const int64_t i = next++;
-      return i < n ? &tasks[i] : nullptr;
-    });
-  });
-}
 
 // Elements per 32-bit word of the cache: 2 for bf16/fp16, 1 for fp32.
 template <typename T>

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "split_work.h"
 
 namespace {
 using namespace pagellm;

@@ -34,6 +34,7 @@
 
 #include "amx.h"
 #include "attention_common.h"
+#include "split_work.h"
 
 #if defined(PAGELLM_AMX) && defined(__AVX512BF16__)
 #define PAGELLM_AMX_ATTENTION 1

@@ -1,4 +1,6 @@
-// Work split for kernels whose threads may run at different speeds.
+// Work split for kernels whose threads may run at different speeds: items taken one at a time, largest first
+// (run_largest_first: attention tasks of very different sizes), or runs of neighbouring items claimed from both
+// ends (claim_from_both_ends: the linears' column blocks).
 //
 // On a shared machine the cores do not keep one speed: on the project's 2-core VM one core measured 0.6-1.5x the
 // other's time on the same linears, pinned one thread to each in turn, the ratio changing within seconds (the
@@ -15,8 +17,25 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace pagellm {
+
+// Runs the tasks on all threads, largest cost first, each thread taking the next from a shared counter (tasks of
+// one step differ a lot in size). thread_loop(next) is one thread's loop: it calls next() until that returns null;
+// its per-thread set-up and scratch go around the loop.
+template <typename Task, typename ThreadLoop>
+void run_largest_first(std::vector<Task>& tasks, ThreadLoop&& thread_loop) {
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    thread_loop([&]() -> const Task* {
+      const int64_t i = next++;
+      return i < n ? &tasks[i] : nullptr;
+    });
+  });
+}
 
 // body(lo, hi, ascending) runs items [lo, hi) in the given direction; body is called from several threads.
 template <typename Body>

@@ -60,6 +60,13 @@ struct Task {
   int64_t nh = 1;           // kv heads h .. h + nh - 1
 };
 
+// The part of task t for its j-th kv head alone.
+inline Task one_head(const Task& t, int64_t j) {
+  Task th = t;
+  th.h = t.h + j, th.nh = 1;
+  return th;
+}
+
 // Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
 // position p_i attends to [row_lo(i), p_i].
 struct Span {
@@ -191,8 +198,7 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
   // Vectors per pass: their accumulators (NV * C registers) stay in registers.
   constexpr int NV = C >= 8 ? (C >= 16 ? 1 : 2) : 4;
   for (int64_t j = 0; j < t.nh; ++j) {
-    Task th = t;
-    th.h = t.h + j, th.nh = 1;
+    const Task th = one_head(t, j);
     float* Sh = S + j * nv * s.ns;
     float* oh = of + j * nv * D;
     softmax_rows(a, th, s, Sh);
@@ -243,11 +249,9 @@ void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* v
   }
 #endif
   if (!done)
-    for (int64_t j = 0; j < t.nh; ++j) {
-      Task th = t;
-      th.h = t.h + j, th.nh = 1;
-      attend_generic<T>(a, th, qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns, of.data() + j * nv * D);
-    }
+    for (int64_t j = 0; j < t.nh; ++j)
+      attend_generic<T>(a, one_head(t, j), qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns,
+                        of.data() + j * nv * D);
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {

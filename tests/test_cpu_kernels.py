@@ -167,6 +167,29 @@ def test_amx_linear_is_the_same_on_any_thread_count(rows):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+@pytest.mark.parametrize("rows,inter", [(1, 48), (17, 48), (64, 1536), (300, 80), (520, 96)])
+def test_amx_linear_silu_mul_is_the_two_steps_bit_for_bit(rows, inter):
+    # the product in the GEMM's epilogue must give exactly what amx_linear into gate_up and silu_and_mul give
+    # (the C++ decoder takes one, the Python loop on other paths the other); 80: a last block of one 16-column
+    # panel; out strided, as the decoder's padded activation buffer
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    torch.manual_seed(8)
+    x = torch.randn(rows, 608).bfloat16()[:, :576]
+    w, b = (torch.randn(2 * inter, 576) * 0.1).bfloat16(), torch.randn(2 * inter).bfloat16()
+    for bias in (None, b):
+        gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
+        ops.amx_linear(x, pack_amx(w), bias, gate_up)
+        want = torch.empty(rows, inter, dtype=torch.bfloat16)
+        ops.silu_and_mul(gate_up, want)
+        got = torch.full((rows, inter + 32), float("nan"), dtype=torch.bfloat16)[:, :inter]
+        ops.amx_linear_silu_mul(x, pack_amx(w), bias, got)
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.amx_linear_silu_mul(x, pack_amx(w[:40]), None, torch.empty(rows, 20, dtype=torch.bfloat16))
+
+
 def test_bf16_stores_round_denormals_and_nan_as_torch():
     # the kernels' bf16 stores take AVX512-BF16's conversion, which flushes denormals to zero; a vector holding
     # one must still round as torch does (add_rms_norm stores residual = x + residual). NaN stays NaN (torch's

@@ -44,6 +44,7 @@ class CPUKernels:
     """The decode-sized linear kernels this process can use (decided once per model)."""
 
     amx: Callable | None = None  # torch.ops.pagellm.amx_linear
+    amx_silu_mul: Callable | None = None  # torch.ops.pagellm.amx_linear_silu_mul (with amx)
     gemv: Callable | None = None  # torch.ops.pagellm.small_m_linear
     onednn_packing: bool = False
 
@@ -74,6 +75,7 @@ class CPULinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.amx = kernels.amx if kernels.amx is not None and weight.shape[1] % 32 == 0 else None
+        self.amx_silu_mul = kernels.amx_silu_mul if self.amx is not None else None
         self.amx_weight = pack_amx(weight) if self.amx is not None else None
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.amx is None and kernels.onednn_packing else None
@@ -92,6 +94,18 @@ class CPULinear(nn.Module):
             if self.onednn_weight is not None and rows <= PACKED_MAX_ROWS:
                 return packed_linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for this layer's output [gate | up] in one AMX call, the product computed as each block
+        of the output is, never writing [gate | up] (the same bits as the two steps); None where that does not
+        apply (no AMX, x too long or not row-major, an intermediate size that is not a multiple of 16)."""
+        rows, inter = x.shape[0], self.weight.shape[0] // 2
+        if (self.amx_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1 or not 0 < rows <= AMX_MAX_ROWS
+                or inter % 16):
+            return None
+        out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+        self.amx_silu_mul(x, self.amx_weight, self.bias, out)
+        return out
 
 
 def _onednn_packing_works(dtype: torch.dtype) -> bool:
@@ -112,14 +126,15 @@ def cpu_kernels(ops, dtype: torch.dtype) -> CPUKernels | None:
     """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = gemv = None
+    amx = amx_silu_mul = gemv = None
     if dtype == torch.bfloat16:
         try:
-            amx = ops.amx_linear.default if ops.amx_linear_supported() else None
+            if ops.amx_linear_supported():
+                amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
-    kernels = CPUKernels(amx, gemv, amx is None and _onednn_packing_works(dtype))
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, amx is None and _onednn_packing_works(dtype))
     return kernels if (kernels.amx or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -131,6 +131,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x):
+        if isinstance(self.gate_up_proj, CPULinear) and (h := self.gate_up_proj.silu_and_mul(x)) is not None:
+            return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
             h = torch.empty(gate_up.shape[0], self.intermediate_size, dtype=x.dtype, device=x.device)

@@ -101,16 +101,8 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       T* o = op + i * out.stride(0);
       int64_t j = 0;
 #if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
       for (; j + 16 <= I; j += 16) {
-        const __m512 x = load16(g + j);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        // x / d as x * (1 / d): 1/d from rcp14 and one Newton step (~2^-28, below fp32's ulp), as the division
-        // is the loop's slowest instruction; d = inf (x < -88.7) gives 0, not the step's inf * 0
-        const __m512 d = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(d);
-        const __mmask16 finite = _mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
-        const __m512 r = _mm512_maskz_mul_ps(finite, r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.f)));
-        const __m512 s = round_to(_mm512_mul_ps(x, r), g);
+        const __m512 s = round_to(silu16(load16(g + j)), g);
         store16(o + j, _mm512_mul_ps(s, load16(u + j)));
       }
 #endif

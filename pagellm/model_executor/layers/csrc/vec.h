@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -104,6 +105,16 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// silu(x) = x / (1 + exp(-x)), as x * (1 / d): 1/d from rcp14 and one Newton step (~2^-28, below fp32's ulp), as
+// the division would be the slowest instruction; d = inf (x < -88.7) gives 0, not the step's inf * 0.
+// silu_and_mul and the AMX linear's fused epilogue share it, so their results are the same bits.
+inline __m512 silu16(__m512 x) {
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+  const __m512 r0 = _mm512_rcp14_ps(d);
+  const __mmask16 finite = _mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
+  return _mm512_mul_ps(x, _mm512_maskz_mul_ps(finite, r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.f))));
 }
 #endif
 

@@ -3,7 +3,8 @@
     .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
-several row counts; the fused element-wise ops against torch. Attention: 64 decode rows over 362-token contexts
+several row counts; the fused element-wise ops against torch; the gate/up layer with silu(gate) * up in its
+epilogue against the two steps. Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA). Argmax:
 greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
@@ -25,7 +26,7 @@ from test_attention import make_case  # noqa: E402  (the attention tests' case b
 from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
-from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels  # noqa: E402
+from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels, pack_amx  # noqa: E402
 
 
 def best_ms(fs: dict, rounds: int = 5, digits: int = 2) -> dict:
@@ -112,6 +113,21 @@ def small_ops(ops) -> None:
         }, rounds=20, digits=4).items()})
 
 
+def gate_up_silu(ops) -> None:
+    """SmolLM2's gate/up layer with silu(gate) * up: in the AMX GEMM's epilogue against the GEMM into gate_up and
+    then silu_and_mul (30 layers' weights, so they stream from memory as in a step)."""
+    if not ops.amx_linear_supported():
+        return
+    ws = [pack_amx(torch.randn(3072, 576, dtype=torch.bfloat16) * 0.05) for _ in range(30)]
+    for rows in (64, 2048):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        gu, act = torch.empty(rows, 3072, dtype=torch.bfloat16), torch.empty(rows, 1536, dtype=torch.bfloat16)
+        emit(bench="30 gate/up layers with silu * up, ms", rows=rows, **best_ms({
+            "fused_epilogue": lambda: [ops.amx_linear_silu_mul(x, w, None, act) for w in ws],
+            "gemm_then_silu_and_mul": lambda: [(ops.amx_linear(x, w, None, gu), ops.silu_and_mul(gu, act)) for w in ws],
+        }))
+
+
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm
     res = h + r
     x = res.float()
@@ -131,5 +147,6 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     linears(ops)
     small_ops(ops)
+    gate_up_silu(ops)
     attention()
     argmax(ops)

@@ -237,7 +237,7 @@ bool amx_linear_supported() {
 }
 
 namespace {
-// Checks the operands; packed holds w_cols columns, out has out_cols, bias (optional) w_cols entries.
+// Checks the operands: packed holds w_cols columns (out's N, or 2N for silu_mul), bias (if any) w_cols entries.
 void check(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
            const at::Tensor& out, int64_t w_cols) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs AMX-BF16");

@@ -191,8 +191,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   // act = silu(gate) * up for [gate | up] = linear(h): one AMX call with the product in its epilogue where it
   // applies (amx_linear_silu_mul, bit for bit the two steps' result), else the linear into a gate_up buffer and
-  // silu_and_mul. SmolLM2 at 2,048 rows: 7.3 against 12.7 ms per layer for the two calls; workload_64's 2,048-token
-  // prefill steps alternating between the two in one process, 4 passes: median 473 against 706 ms.
+  // silu_and_mul. SmolLM2's 30 gate/up layers (`python bench/kernels.py`): 240 against 251 ms at 2,048 rows, 12.5
+  // against 13.3 ms at 64; with the epilogue changes of the same day, workload_64's 2,048-token prefill steps in
+  // 6 process pairs: median 456 against 501 ms (docs/performance.md).
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
     if (T <= amx_max_rows_ && I_ % 16 == 0) {

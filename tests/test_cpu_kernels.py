@@ -190,6 +190,29 @@ def test_amx_linear_silu_mul_is_the_two_steps_bit_for_bit(rows, inter):
         ops.amx_linear_silu_mul(x, pack_amx(w[:40]), None, torch.empty(rows, 20, dtype=torch.bfloat16))
 
 
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+def test_mlp_takes_the_fused_gate_up_on_amx():
+    # the Python MLP (models the C++ decoder does not cover, e.g. Qwen3) routes gate/up through
+    # amx_linear_silu_mul: called once, and the same bits as its own layers run one after the other
+    from types import SimpleNamespace
+
+    from pagellm.model_executor.layers.linear import CPUKernels, replace_linears
+    from pagellm.model_executor.models.llama import MLP
+
+    torch.manual_seed(9)
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=True), ops).bfloat16()
+    calls = []
+    fused = ops.amx_linear_silu_mul.default
+    replace_linears(mlp, CPUKernels(amx=ops.amx_linear.default, amx_silu_mul=lambda *a: calls.append(fused(*a))))
+    x = torch.randn(40, 64).bfloat16()
+    got = mlp(x)
+    assert len(calls) == 1
+    gate_up = mlp.gate_up_proj(x)  # the same AMX kernel, into gate_up
+    h = torch.empty(40, 96, dtype=torch.bfloat16)
+    ops.silu_and_mul(gate_up, h)
+    assert torch.equal(got, mlp.down_proj(h))
+
+
 def test_bf16_stores_round_denormals_and_nan_as_torch():
     # the kernels' bf16 stores take AVX512-BF16's conversion, which flushes denormals to zero; a vector holding
     # one must still round as torch does (add_rms_norm stores residual = x + residual). NaN stays NaN (torch's

@@ -3,8 +3,9 @@
     .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
-several row counts; the fused element-wise ops against torch; the gate/up layer with silu(gate) * up in its
-epilogue against the two steps. Attention: 64 decode rows over 362-token contexts
+several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed); the fused
+element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
+Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA). Argmax:
 greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
@@ -56,6 +57,8 @@ def linears(ops) -> None:
         paths["amx"] = CPUKernels(amx=have.amx)
     if have is not None and have.gemv is not None:
         paths["streaming"] = CPUKernels(gemv=have.gemv)
+    if ops.fma_linear_supported():  # the FMA tile kernel (AVX-512 CPUs without AMX; runs on AMX CPUs too)
+        paths["fma"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default)
     paths["onednn_packed"] = CPUKernels(onednn_packing=True)
     layers = {name: [[CPULinear(w, None, k) for w in ws] for ws in weights] for name, k in paths.items() if k}
     for rows in (1, 4, 64, 256, 512, 1024, 2048):

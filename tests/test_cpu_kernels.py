@@ -109,15 +109,27 @@ def test_small_m_linear_matches_fp32_matmul(rows, k, n, bias):
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("kernels", ["amx", "gemv+onednn"])
+def tile_kernel(name: str):
+    """(linear, linear_silu_mul) of a kernel on the B-tile-packed weight: "amx" (AMX tiles) or "fma" (AVX-512 fp32
+    FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there)."""
+    if not getattr(ops, f"{name}_linear_supported")():
+        pytest.skip(f"this CPU lacks the instructions of the {name} kernel")
+    return getattr(ops, f"{name}_linear").default, getattr(ops, f"{name}_linear_silu_mul").default
+
+
+TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma"])
+
+
+@pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "gemv+onednn"])
 def test_cpu_linear_paths_agree_with_f_linear(kernels):
     from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels
 
     have = cpu_kernels(ops, torch.bfloat16)
     if kernels == "amx":
-        if have is None or have.amx is None:
-            pytest.skip("no AMX here")
-        k = CPUKernels(amx=have.amx)
+        k = CPUKernels(amx=tile_kernel("amx")[0])
+    elif kernels == "fma+gemv":
+        fma, fma_silu_mul = tile_kernel("fma")
+        k = CPUKernels(gemv=have.gemv if have else None, fma=fma, fma_silu_mul=fma_silu_mul)
     else:
         k = CPUKernels(gemv=have.gemv if have else None, onednn_packing=True)
     torch.manual_seed(5)
@@ -131,27 +143,29 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
             torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 65, 130, 257, 520])  # row tiles, blocks, chunks, tails
-def test_amx_linear_matches_fp32_matmul(rows):
+@TILE_KERNELS
+@pytest.mark.parametrize("rows", [1, 11, 15, 16, 17, 33, 64, 65, 97, 130, 257, 520])  # row tiles and micro-blocks,
+def test_tile_linear_matches_fp32_matmul(tile, rows):  # blocks, chunks, tails
     from pagellm.model_executor.layers.linear import pack_amx
 
+    linear, _ = tile_kernel(tile)
     torch.manual_seed(6)
     x = torch.randn(rows, 640).bfloat16()[:, 32:608]  # rows strided, as a slice of a wider tensor
     w, b = torch.randn(200, 576).bfloat16(), torch.randn(200).bfloat16()  # 13 column tiles, the last half full
     out = torch.empty(rows, 200, dtype=torch.bfloat16)
-    ops.amx_linear(x, pack_amx(w), b, out)
+    linear(x, pack_amx(w), b, out)
     want = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+@TILE_KERNELS
 @pytest.mark.parametrize("rows", [1, 64, 520, 2100])
-def test_amx_linear_is_the_same_on_any_thread_count(rows):
+def test_tile_linear_is_the_same_on_any_thread_count(tile, rows):
     # threads claim blocks from both ends of the work (several threads per end from 3 on): every output block
     # must be computed exactly once, whoever computes it
     from pagellm.model_executor.layers.linear import pack_amx
 
+    linear, _ = tile_kernel(tile)
     torch.manual_seed(7)
     x, w = torch.randn(rows, 576).bfloat16(), torch.randn(1000, 576).bfloat16()
     packed, threads, outs = pack_amx(w), torch.get_num_threads(), []
@@ -159,7 +173,7 @@ def test_amx_linear_is_the_same_on_any_thread_count(rows):
         for n in (1, 2, 3, 5):
             torch.set_num_threads(n)
             out = torch.full((rows, 1000), float("nan"), dtype=torch.bfloat16)
-            ops.amx_linear(x, packed, None, out)
+            linear(x, packed, None, out)
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
@@ -167,47 +181,51 @@ def test_amx_linear_is_the_same_on_any_thread_count(rows):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
-@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
+@TILE_KERNELS
 @pytest.mark.parametrize("rows,inter", [(1, 48), (17, 48), (64, 1536), (300, 80), (520, 96)])
-def test_amx_linear_silu_mul_is_the_two_steps_bit_for_bit(rows, inter):
-    # the product in the GEMM's epilogue must give exactly what amx_linear into gate_up and silu_and_mul give
+def test_tile_linear_silu_mul_is_the_two_steps_bit_for_bit(tile, rows, inter):
+    # the product in the GEMM's epilogue must give exactly what the linear into gate_up and silu_and_mul give
     # (the C++ decoder takes one, the Python loop on other paths the other); 80: a last block of one 16-column
     # panel; out strided, as the decoder's padded activation buffer
     from pagellm.model_executor.layers.linear import pack_amx
 
+    linear, silu_mul = tile_kernel(tile)
     torch.manual_seed(8)
     x = torch.randn(rows, 608).bfloat16()[:, :576]
     w, b = (torch.randn(2 * inter, 576) * 0.1).bfloat16(), torch.randn(2 * inter).bfloat16()
     for bias in (None, b):
         gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
-        ops.amx_linear(x, pack_amx(w), bias, gate_up)
+        linear(x, pack_amx(w), bias, gate_up)
         want = torch.empty(rows, inter, dtype=torch.bfloat16)
         ops.silu_and_mul(gate_up, want)
         got = torch.full((rows, inter + 32), float("nan"), dtype=torch.bfloat16)[:, :inter]
-        ops.amx_linear_silu_mul(x, pack_amx(w), bias, got)
+        silu_mul(x, pack_amx(w), bias, got)
         assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.amx_linear_silu_mul(x, pack_amx(w[:40]), None, torch.empty(rows, 20, dtype=torch.bfloat16))
+        silu_mul(x, pack_amx(w[:40]), None, torch.empty(rows, 20, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX")
-def test_mlp_takes_the_fused_gate_up_on_amx():
-    # the Python MLP (models the C++ decoder does not cover, e.g. Qwen3) routes gate/up through
-    # amx_linear_silu_mul: called once, and the same bits as its own layers run one after the other
+@TILE_KERNELS
+def test_mlp_takes_the_fused_gate_up(tile):
+    # the Python MLP (models the C++ decoder does not cover, e.g. Qwen3, and every model on CPUs without AMX)
+    # routes gate/up through the tile kernel's silu_mul: called once, and the same bits as its own layers run one
+    # after the other
     from types import SimpleNamespace
 
     from pagellm.model_executor.layers.linear import CPUKernels, replace_linears
     from pagellm.model_executor.models.llama import MLP
 
+    linear, fused = tile_kernel(tile)
     torch.manual_seed(9)
     mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=True), ops).bfloat16()
     calls = []
-    fused = ops.amx_linear_silu_mul.default
-    replace_linears(mlp, CPUKernels(amx=ops.amx_linear.default, amx_silu_mul=lambda *a: calls.append(fused(*a))))
+    spy = lambda *a: calls.append(fused(*a))  # noqa: E731
+    kernels = CPUKernels(amx=linear, amx_silu_mul=spy) if tile == "amx" else CPUKernels(fma=linear, fma_silu_mul=spy)
+    replace_linears(mlp, kernels)
     x = torch.randn(40, 64).bfloat16()
     got = mlp(x)
     assert len(calls) == 1
-    gate_up = mlp.gate_up_proj(x)  # the same AMX kernel, into gate_up
+    gate_up = mlp.gate_up_proj(x)  # the same tile kernel, into gate_up
     h = torch.empty(40, 96, dtype=torch.bfloat16)
     ops.silu_and_mul(gate_up, h)
     assert torch.equal(got, mlp.down_proj(h))

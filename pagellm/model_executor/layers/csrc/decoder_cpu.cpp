@@ -1,4 +1,6 @@
-// The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX.
+// The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX, or with AVX-512 and no
+// AMX for steps without prefill chunks (decode rows and short chunks; the Python loop runs the others there, as
+// the AMX prefill attention kernel is missing).
 //
 // Why: a layer is ten kernel calls, and at a few rows each kernel takes only tens of microseconds. Driven from
 // Python every call also pays the interpreter, nn.Module and the dispatcher: one request decoded 15.2-16.3 ms per
@@ -12,8 +14,9 @@
 //   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
 //   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu(gate) * up), [gate | up] = linear(h) with the
 //   product in the AMX GEMM's epilogue (amx_linear_silu_mul)
-// A linear takes the AMX kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
-// layers/linear.py), oneDNN (at::mm) above.
+// A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
+// layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
+// kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree).
 // Attention: the paged kernel for decode rows and short chunks, the AMX prefill kernel for longer chunks, and
 // for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -46,10 +49,11 @@ struct Layer {
 class LlamaDecoder : public torch::CustomClassHolder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale, int64_t amx_max_rows, int64_t kernel_max_query)
+               double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
-        amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query) {
-    TORCH_CHECK(amx_linear_supported(), "LlamaDecoder needs AMX-BF16");
+        amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query), amx_(amx_linear_supported()),
+        gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0) {
+    TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16 or AVX-512");
   }
 
   // weights: input_norm, post_norm, then (packed, plain, bias) for qkv, o, gate_up, down; an empty bias: none.
@@ -88,6 +92,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
                                              c10::optional<at::Tensor> keep_seq) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "LlamaDecoder: no layers or no bound cache");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: bf16 [T, hidden]");
+    TORCH_CHECK(amx_ || !prefill, "LlamaDecoder: prefill chunks need the AMX attention kernel");
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
     const auto opts = x.options();
     at::Tensor residual = x, h = at::empty_like(x);
@@ -179,9 +184,15 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
-    if (x.size(0) <= amx_max_rows_) {
+    if (x.size(0) <= gemv_max_rows_) {
+      PAGELLM_RANGE("pagellm::small_m_linear");
+      small_m_linear(x, l.weight, l.bias, out);
+    } else if (x.size(0) <= amx_max_rows_ && amx_) {
       PAGELLM_RANGE("pagellm::amx_linear");
       amx_linear(x, l.packed, l.bias, out);
+    } else if (x.size(0) <= amx_max_rows_) {
+      PAGELLM_RANGE("pagellm::fma_linear");
+      fma_linear(x, l.packed, l.bias, out);
     } else if (l.bias.has_value()) {
       at::addmm_out(out, *l.bias, x, l.weight.t());
     } else {
@@ -196,9 +207,14 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // 6 process pairs: median 456 against 501 ms (docs/performance.md).
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
-    if (T <= amx_max_rows_ && I_ % 16 == 0) {
-      PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
-      amx_linear_silu_mul(h, l.packed, l.bias, act);
+    if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0) {
+      if (amx_) {
+        PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
+        amx_linear_silu_mul(h, l.packed, l.bias, act);
+      } else {
+        PAGELLM_RANGE("pagellm::fma_linear_silu_mul");
+        fma_linear_silu_mul(h, l.packed, l.bias, act);
+      }
       return;
     }
     at::Tensor gate_up = at::empty({T, 2 * I_}, h.options());
@@ -217,6 +233,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   int64_t H_, Hkv_, D_, I_;
   double eps_, scale_;
   int64_t amx_max_rows_, kernel_max_query_;
+  bool amx_;               // the AMX kernels, else the FMA linear (and no prefill chunks)
+  int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
   std::vector<Layer> layers_;
 };
 
@@ -224,7 +242,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);

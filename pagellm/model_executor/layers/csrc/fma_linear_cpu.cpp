@@ -58,17 +58,19 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
   for (int64_t i = 0; i < micro_blocks(rows); ++i) {
     float* dst = a + i * kMR * K;
     const int64_t r0 = micro_start(rows, i), n = micro_start(rows, i + 1) - r0;
-    for (int64_t m = 0; m < n; ++m) {
-      const bf16* src = g.x + (m0 + r0 + m) * g.lda;
-      for (int64_t k = 0; k < K; k += 16) {
-        alignas(64) float v[16];
-        _mm512_store_ps(v, load16(src + k));
-        PAGELLM_UNROLL for (int j = 0; j < 8; ++j) {
-          float* d = dst + ((k / 2 + j) * kMR + m) * 2;
-          d[0] = v[2 * j], d[1] = v[2 * j + 1];
+    // k outer, rows inner: the rows' 8 k-pairs at k fill one 768-byte stretch of a before the next k (row by row,
+    // each row's stores swept the micro-block's whole stretch, larger than L1, at a 96-byte stride)
+    const bf16* src0 = g.x + (m0 + r0) * g.lda;
+    for (int64_t k = 0; k < K; k += 16)
+      for (int64_t m = 0; m < n; ++m) {  // 16 values, 8 k-pairs: one 64-bit store each, kMR pairs apart
+        const __m512 v = load16(src0 + m * g.lda + k);
+        double* d = reinterpret_cast<double*>(dst) + k / 2 * kMR + m;
+        PAGELLM_UNROLL for (int j = 0; j < 4; ++j) {
+          const __m128d lane = _mm_castps_pd(_mm512_extractf32x4_ps(v, j));
+          _mm_storel_pd(d + 2 * j * kMR, lane);
+          _mm_storeh_pd(d + (2 * j + 1) * kMR, lane);
         }
       }
-    }
   }
 }
 
@@ -76,7 +78,8 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
 template <int R, int NP>
 inline void micro(const float* a, const bf16* const* b, int64_t kc_n, __m512 (&out)[kMR][2]) {
   __m512 acc[R][NP];
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m)
+    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t kc = 0; kc < kc_n; ++kc) {
     const float* ak = a + kc * 16 * kMR * 2;

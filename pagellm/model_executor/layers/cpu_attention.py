@@ -21,6 +21,12 @@ from pagellm.model_executor.layers.cpu_kernels import load_extension
 # for the SDPA reference. Past 32 rows SDPA caught up with the FMA kernel on chunks after a context (64 rows:
 # 1.63 against 1.82 ms, measured with the same case builder before the AMX kernel existed).
 KERNEL_MAX_QUERY = 32
+# Without the AMX prefill kernel the paged kernel takes bf16/fp16 chunks of any length: on the project's VM with
+# AMX hidden (2026-12-01, evening; 32-token blocks, SmolLM2's heads, medians of 5, two alternating rounds) it took
+# 3.7-4.0 ms for 4 prompts of 300 against 7.6-8.3 ms for SDPA in fp32, 5.2 against 8.9 ms for 2 of 512, 2.1-2.3
+# against 3.7-3.9 for 4 chunks of 64 after 500, 190-211 against 233-234 ms for a 2,048-row chunk after 4,952.
+# fp32 keeps SDPA for them (the reference's kernel, for HF-exact tokens).
+NO_QUERY_LIMIT = 1 << 40
 
 
 class CPUPagedAttention(TorchPagedAttention):
@@ -33,6 +39,11 @@ class CPUPagedAttention(TorchPagedAttention):
         # bf16 prefill chunks on AMX tiles straight from the blocks (csrc/prefill_attention_amx.cpp), else SDPA
         self.amx_prefill = bool(self.ops.prefill_attention_amx_supported(head_dim, block_size))
         self.supports_cascade = self.amx_prefill  # the shared prefix runs on the same AMX kernel
+
+    def max_query(self, dtype: torch.dtype) -> int:
+        """The longest chunk (rows of one request) the paged kernel takes; longer ones go to the AMX prefill kernel
+        or SDPA (see KERNEL_MAX_QUERY and NO_QUERY_LIMIT)."""
+        return KERNEL_MAX_QUERY if self.amx_prefill or dtype == torch.float32 else NO_QUERY_LIMIT
 
     @staticmethod
     def sdpa_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,17 +75,17 @@ class CPUPagedAttention(TorchPagedAttention):
         return k, v
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
-        """Decode rows and short chunks (up to KERNEL_MAX_QUERY rows) in one kernel call, K/V read in place; longer
-        prefill chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call
-        each. With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
+        """Decode rows and chunks up to max_query rows in one kernel call, K/V read in place; longer prefill
+        chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call each. With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
         ``cascade_prefix_attention`` adds it."""
         kc, vc = self.views(kv_cache)
         self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cascade = meta.cascade if sliding_window is None and q.dtype == torch.bfloat16 else None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if cascade is not None else None
+        max_query = self.max_query(q.dtype)
         self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                                 sliding_window or 0, KERNEL_MAX_QUERY, cascade.kv_start if cascade else None, lse)
+                                 sliding_window or 0, max_query, cascade.kv_start if cascade else None, lse)
         if cascade is not None:  # the shared prefix for all its rows at once, merged by log-sum-exp
             self.ops.cascade_prefix_attention(q, kc, vc, cascade.blocks, cascade.rows, out, lse, scale)
         if not meta.prefill_rows:
@@ -85,7 +96,7 @@ class CPUPagedAttention(TorchPagedAttention):
             return out
         for r in meta.prefill_rows:
             q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
-            if qlen > KERNEL_MAX_QUERY:
+            if qlen > max_query:
                 rows = slice(q0, q0 + qlen)
                 out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window,
                                          self.sdpa_dtype(q.dtype))

@@ -17,7 +17,6 @@ from torch import nn
 from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
-from pagellm.model_executor.layers.cpu_attention import KERNEL_MAX_QUERY
 from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, CPUKernels, CPULinear, replace_linears
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -179,10 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
         self.backend = backend
-        # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies; without
-        # the AMX prefill attention kernel only for steps without prefill chunks (decoder_prefill False).
+        # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies.
         self.decoder = None
-        self.decoder_prefill = False
         self.prune_last_layer = True  # see forward; the tests switch it off to hold the two loops bit-equal
         self._bound_caches: list[torch.Tensor] | None = None
 
@@ -192,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         keep = None
-        if self.decoder is not None and (self.decoder_prefill or not meta.prefill_rows):
+        if self.decoder is not None:
             # In a prefill step the C++ loop's last layer computes only the rows that get logits and returns them.
             if meta.prefill_rows and self.prune_last_layer:
                 req = torch.searchsorted(meta.query_start_loc, logits_indices, right=True) - 1
@@ -236,11 +233,9 @@ class LlamaForCausalLM(nn.Module):
         if (s.qk_norm or getattr(backend, "ops", None) is None or self.embed_tokens.weight.dtype != torch.bfloat16
                 or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
             return None
-        # the prefill chunks too where the AMX attention kernel runs them (the decoder has no SDPA fallback)
-        self.decoder_prefill = bool(getattr(backend, "amx_prefill", False))
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
-                                                     KERNEL_MAX_QUERY, GEMV_MAX_ROWS)
+                                                     backend.max_query(torch.bfloat16), GEMV_MAX_ROWS)
         no_bias = torch.empty(0, dtype=torch.bfloat16)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

@@ -1,6 +1,5 @@
 // The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX, or with AVX-512 and no
-// AMX for steps without prefill chunks (decode rows and short chunks; the Python loop runs the others there, as
-// the AMX prefill attention kernel is missing).
+// AMX (there the paged kernel takes prefill chunks of any length: kernel_max_query, cpu_attention.py).
 //
 // Why: a layer is ten kernel calls, and at a few rows each kernel takes only tens of microseconds. Driven from
 // Python every call also pays the interpreter, nn.Module and the dispatcher: one request decoded 15.2-16.3 ms per
@@ -17,8 +16,8 @@
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
 // kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree).
-// Attention: the paged kernel for decode rows and short chunks, the AMX prefill kernel for longer chunks, and
-// for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
+// Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
+// for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
@@ -92,7 +91,6 @@ class LlamaDecoder : public torch::CustomClassHolder {
                                              c10::optional<at::Tensor> keep_seq) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "LlamaDecoder: no layers or no bound cache");
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: bf16 [T, hidden]");
-    TORCH_CHECK(amx_ || !prefill, "LlamaDecoder: prefill chunks need the AMX attention kernel");
     const int64_t T = x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
     const auto opts = x.options();
     at::Tensor residual = x, h = at::empty_like(x);
@@ -136,7 +134,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
             PAGELLM_RANGE("pagellm::cascade_prefix_attention");
             cascade_prefix_attention(q, L.k_cache, L.v_cache, *cascade_blocks, *cascade_rows, attn, lse, scale_);
           }
-          if (prefill) {
+          if (prefill && amx_) {
             PAGELLM_RANGE("pagellm::prefill_attention_amx");
             prefill_attention_amx(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_,
                                   L.window, kernel_max_query_);

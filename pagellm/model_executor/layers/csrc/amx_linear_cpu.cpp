@@ -31,6 +31,7 @@
 
 #include "amx.h"
 #include "split_work.h"
+#include "tile_linear.h"
 #include "vec.h"
 
 namespace {
@@ -237,20 +238,10 @@ bool amx_linear_supported() {
 }
 
 namespace {
-// Checks the operands: packed holds w_cols columns (out's N, or 2N for silu_mul), bias (if any) w_cols entries.
+// Checks the operands (tile_linear.h).
 void check(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
            const at::Tensor& out, int64_t w_cols) {
-  TORCH_CHECK(amx_linear_supported(), "amx_linear needs AMX-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 16 &&
-              packed.size(4) == 2 && packed.size(1) * 32 == x.size(1), "packed: [N/16, K/32, 16, 16, 2]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-              out.scalar_type() == at::kBFloat16, "bfloat16 only");
-  TORCH_CHECK(x.size(0) >= 1 && out.size(0) == x.size(0) && (w_cols + 15) / 16 == packed.size(0),
-              "out: [M, N] with M >= 1 rows, N matching packed");
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == w_cols && bias->scalar_type() == at::kBFloat16,
-                "bias: bfloat16 [", w_cols, "]");
+  check_tile_linear(amx_linear_supported(), "amx_linear needs AMX-BF16", x, packed, bias, out, w_cols);
 }
 
 #if defined(PAGELLM_AMX)

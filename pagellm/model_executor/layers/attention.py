@@ -174,27 +174,22 @@ class TorchPagedAttention(AttentionBackend):
         return o.squeeze(2)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, r: int, scale: float, sliding_window: int | None,
-                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """q, k, v: [Lq, heads, D], the last Lq positions of request r's context -> [Lq, H, D]. compute_dtype:
-        run SDPA in this dtype (None: q's), the result is returned in q's."""
+                meta: AttentionMetadata, r: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """q, k, v: [Lq, heads, D], the last Lq positions of request r's context -> [Lq, H, D]."""
         qlen, ctx = q.shape[0], meta.seq_lens_list[r]
         if qlen == ctx:  # the whole context is in this chunk
             kp, vp = k.transpose(0, 1), v.transpose(0, 1)
         else:
             kp, vp = self.gather(kv_cache, meta.block_tables[r], ctx)
         kp, vp, qp = kp.unsqueeze(0), vp.unsqueeze(0), q.transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
-        dtype = compute_dtype or q.dtype
-        if dtype != q.dtype:
-            kp, vp, qp = kp.to(dtype), vp.to(dtype), qp.to(dtype)
         gqa = q.shape[1] != kp.shape[1]
         if qlen == ctx and sliding_window is None:
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=_prefill_mask(meta, r, qlen, ctx, sliding_window,
-                                                                                 dtype, q.device),
+                                                                                 q.dtype, q.device),
                                                scale=scale, enable_gqa=gqa)
-        return o[0].transpose(0, 1).to(q.dtype)
+        return o[0].transpose(0, 1)
 
 
 def _prefill_mask(meta: AttentionMetadata, r: int, qlen: int, ctx: int, sliding_window: int | None,

@@ -4,9 +4,9 @@ The cache uses the kernel's own layout (x = 4 bytes / element size, so 2 for bf1
 K [num_blocks, kv_heads, head_dim/x, block_size, x], V [num_blocks, kv_heads, block_size/x, head_dim, x].
 One kernel call per layer serves every decode row and short chunk of the step (as speculative decoding will
 produce), reading K/V in place from the blocks. Longer prefill chunks go, in bf16 on a CPU with AMX, to the AMX
-kernel of ``csrc/prefill_attention_amx.cpp`` (also in place; one call per layer), else to SDPA's flash kernel
-(in fp32) on their own or gathered context. The backend also carries the fused element-wise ops (``ops``) the
-model uses on CPU.
+kernel of ``csrc/prefill_attention_amx.cpp`` (also in place; one call per layer); without it the paged kernel
+takes bf16/fp16 chunks of any length (NO_QUERY_LIMIT), and SDPA's flash kernel fp32 ones, on their own or
+gathered context. The backend also carries the fused element-wise ops (``ops``) the model uses on CPU.
 """
 from __future__ import annotations
 
@@ -45,15 +45,6 @@ class CPUPagedAttention(TorchPagedAttention):
         or SDPA (see KERNEL_MAX_QUERY and NO_QUERY_LIMIT)."""
         return KERNEL_MAX_QUERY if self.amx_prefill or dtype == torch.float32 else NO_QUERY_LIMIT
 
-    @staticmethod
-    def sdpa_dtype(dtype: torch.dtype) -> torch.dtype:
-        """SDPA's dtype for prefill chunks the C++ kernels do not take: fp32 for bf16/fp16. SDPA's CPU flash
-        kernel multiplies bf16 by oneDNN's AVX512-BF16 dot product, which retires half as many flops per cycle as
-        fp32 FMAs on the project's AMX-less VM: on a 300-token prompt with SmolLM2's heads (9 query, 3 kv, 64 dims)
-        1.20 against 1.81 ms, on 1,024 tokens 8.4 against 13.6 ms, converting included (medians of 3 x 20 calls).
-        The result is rounded back to the model's dtype, so it only gets more exact."""
-        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (kv_cache.data_ptr(), kv_cache.shape)
         if key not in self._views:  # built once per layer: two view ops cost more than the dict lookup
@@ -76,7 +67,8 @@ class CPUPagedAttention(TorchPagedAttention):
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
         """Decode rows and chunks up to max_query rows in one kernel call, K/V read in place; longer prefill
-        chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call each. With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
+        chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call each.
+        With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
         ``cascade_prefix_attention`` adds it."""
         kc, vc = self.views(kv_cache)
         self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
@@ -98,6 +90,5 @@ class CPUPagedAttention(TorchPagedAttention):
             q0, qlen = meta.query_start_list[r], meta.query_lens_list[r]
             if qlen > max_query:
                 rows = slice(q0, q0 + qlen)
-                out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window,
-                                         self.sdpa_dtype(q.dtype))
+                out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, meta, r, scale, sliding_window)
         return out

@@ -93,9 +93,9 @@ class CPULinear(nn.Module):
         self.tiled = self.amx or self.fma
         self.tiled_silu_mul = (kernels.amx_silu_mul if self.amx else kernels.fma_silu_mul) if self.tiled else None
         self.tiled_min_rows = 1 if self.amx is not None else GEMV_MAX_ROWS + 1 if kernels.gemv is not None else 1
-        self.amx_weight = pack_amx(weight) if self.tiled is not None else None
+        self.amx_weight = pack_amx(weight) if self.tiled is not None else None  # B-tile order, for either kernel
         self.gemv = kernels.gemv if self.amx is None else None
-        self.onednn_weight = (pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None)
+        self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

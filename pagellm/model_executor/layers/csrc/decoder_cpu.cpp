@@ -1,5 +1,5 @@
 // The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX, or with AVX-512 and no
-// AMX (there the paged kernel takes prefill chunks of any length: kernel_max_query, cpu_attention.py).
+// AMX (where the AMX prefill kernel is missing, the paged kernel takes chunks of any length: cpu_attention.py).
 //
 // Why: a layer is ten kernel calls, and at a few rows each kernel takes only tens of microseconds. Driven from
 // Python every call also pays the interpreter, nn.Module and the dispatcher: one request decoded 15.2-16.3 ms per
@@ -12,7 +12,7 @@
 //   h = add_rms_norm(h, residual)  (layer 0: rms_norm of the embeddings, which become the residual)
 //   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
 //   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu(gate) * up), [gate | up] = linear(h) with the
-//   product in the AMX GEMM's epilogue (amx_linear_silu_mul)
+//   product in the tile GEMM's epilogue (amx_linear_silu_mul, fma_linear_silu_mul)
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
 // kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree).
@@ -74,6 +74,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
   void bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].k_cache = k_caches[l], layers_[l].v_cache = v_caches[l];
+    // as cpu_attention.py decides: without the AMX prefill kernel (no AMX, or a head_dim / block size it does not
+    // take) the paged kernel runs every chunk (the caller passes kernel_max_query without limit)
+    amx_prefill_ = !v_caches.empty() && prefill_attention_amx_supported(D_, v_caches[0].size(2) * 2);
   }
 
   // x: the embeddings [T, hidden] (taken over as the residual stream). Returns (last layer's output, residual);
@@ -134,7 +137,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
             PAGELLM_RANGE("pagellm::cascade_prefix_attention");
             cascade_prefix_attention(q, L.k_cache, L.v_cache, *cascade_blocks, *cascade_rows, attn, lse, scale_);
           }
-          if (prefill && amx_) {
+          if (prefill && amx_prefill_) {
             PAGELLM_RANGE("pagellm::prefill_attention_amx");
             prefill_attention_amx(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_,
                                   L.window, kernel_max_query_);
@@ -231,7 +234,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   int64_t H_, Hkv_, D_, I_;
   double eps_, scale_;
   int64_t amx_max_rows_, kernel_max_query_;
-  bool amx_;               // the AMX kernels, else the FMA linear (and no prefill chunks)
+  bool amx_;               // the AMX linear kernels, else the FMA one
+  bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
   std::vector<Layer> layers_;
 };

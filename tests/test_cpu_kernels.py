@@ -182,6 +182,28 @@ def test_tile_linear_is_the_same_on_any_thread_count(tile, rows):
 
 
 @TILE_KERNELS
+def test_tile_linear_takes_each_calls_own_x(tile):
+    # the FMA kernel's threads keep their fp32 copy of x's rows from one claim to the next within a call: it must
+    # never carry over into the next call (same shapes, new x, the same scratch)
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    linear, _ = tile_kernel(tile)
+    torch.manual_seed(8)
+    w = torch.randn(1000, 576).bfloat16()
+    packed, threads = pack_amx(w), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for rows in (64, 64, 200, 200, 64):
+            x = torch.randn(rows, 576).bfloat16()
+            out = torch.empty(rows, 1000, dtype=torch.bfloat16)
+            linear(x, packed, None, out)
+            want = F.linear(x.float(), w.float())
+            torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@TILE_KERNELS
 @pytest.mark.parametrize("rows,inter", [(1, 48), (17, 48), (64, 1536), (300, 80), (520, 96)])
 def test_tile_linear_silu_mul_is_the_two_steps_bit_for_bit(tile, rows, inter):
     # the product in the GEMM's epilogue must give exactly what the linear into gate_up and silu_and_mul give

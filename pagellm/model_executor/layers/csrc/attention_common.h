@@ -53,7 +53,7 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
 
 #if defined(__AVX512F__)
 // The two elements of each 32-bit word as fp32 (bf16: a shift and a mask; fp16: two conversions).
-inline void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
+PAGELLM_INLINE void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
   lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
@@ -112,8 +112,8 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
 
 // acc[v] += p[v][t] * v_t for one token pair (x == 2; flags say which of its two tokens count).
 template <int NV, int C, typename T>
-inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
-                    __m512 (&acc)[NV][C]) {
+PAGELLM_INLINE void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, bool second,
+                            __m512 (&acc)[NV][C]) {
   PAGELLM_UNROLL
   for (int c = 0; c < C; ++c) {
     __m512 a, b;
@@ -129,7 +129,8 @@ inline void pv_pair(const float* p, int64_t ns, const int32_t* row, bool first, 
 // acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
 // [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in.
 template <int NV, int C, typename T>
-inline void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi, __m512 (&acc)[NV][C]) {
+PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi,
+                             __m512 (&acc)[NV][C]) {
   constexpr int x = pack_x<T>();
   constexpr int64_t D = 16 * C;
   const int32_t* w = reinterpret_cast<const int32_t*>(vb);

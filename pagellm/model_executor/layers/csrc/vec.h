@@ -28,6 +28,14 @@
 #define PAGELLM_UNROLL
 #endif
 
+// Force inlining where GCC's heuristics leave a small kernel helper out of line: its vector accumulators, passed
+// by reference, then live in memory, a store and a reload around every FMA.
+#if defined(__GNUC__)
+#define PAGELLM_INLINE inline __attribute__((always_inline))
+#else
+#define PAGELLM_INLINE inline
+#endif
+
 namespace pagellm {
 
 inline float to_float(float x) { return x; }

@@ -128,6 +128,30 @@ def test_bf16_long_prompt_in_chunks_matches_one_chunk(gguf_path):
     assert len(outs[0]) == 8 and outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_cache_left_unwritten_never_leaks_into_attention(gguf_path, dtype):
+    # With the CPU kernels the KV cache is allocated without zero-filling (ModelRunner): the kernels must never
+    # read a slot no token was written to. Poison every slot with NaN before generating: prompts of mixed lengths,
+    # prefilled in chunks (budget 64) and decoded together, must give the tokens of an engine whose cache is
+    # fresh, untouched memory (zero pages).
+    import torch
+
+    prompts = [{"prompt_token_ids": [(i * 31 + j * 7) % 4000 + 100 for j in range(n)]}
+               for i, n in enumerate((5, 33, 150, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for poison in (False, True):
+        llm = LLM(model=str(gguf_path), dtype=dtype, kv_cache_memory="32MiB", max_num_batched_tokens=64)
+        runner = llm.llm_engine.runner
+        if runner.model.backend.needs_zeroed_cache:
+            pytest.skip("the CPU kernels are unavailable here (torch reference backend)")
+        if poison:
+            runner.kv_cache.fill_(float("nan"))
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert pool_is_whole(llm)
+    assert all(len(t) == 12 for t in outs[0]) and outs[1] == outs[0]
+
+
 def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):
     # 10 requests share a 320-token prefix through the prefix cache: their decode steps attend it once for all
     # (cascade attention, on CPUs with AMX), and the pool is whole after. The kernels' numbers are checked against

@@ -93,6 +93,10 @@ class AttentionBackend:
 
     ops = None
     supports_cascade = False  # reads AttentionMetadata.cascade (others may ignore it: it is only a speed-up)
+    # The cache's unused slots must hold finite values (the torch reference multiplies whole blocks by masked
+    # weights: 0 * NaN would leak). A backend that never reads a slot outside a context sets it False, and the
+    # runner then leaves the cache unwritten until tokens land in it (see ModelRunner).
+    needs_zeroed_cache = True
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size

@@ -30,6 +30,10 @@ NO_QUERY_LIMIT = 1 << 40
 
 
 class CPUPagedAttention(TorchPagedAttention):
+    # The kernels read only the slots inside each context (tests/test_attention.py fills the others with NaN),
+    # and the SDPA fallback gathers exactly the context.
+    needs_zeroed_cache = False
+
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if block_size % 2:

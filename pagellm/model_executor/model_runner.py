@@ -40,9 +40,10 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         # Swap space for preempted requests: the same layout in host memory (pinned when the cache is on a GPU).
+        # Never zero-filled: a host block is read only after a device block was copied into it.
         self.host_kv_cache = None
         if num_host_blocks:
-            self.host_kv_cache = torch.zeros(s.num_layers, 2, num_host_blocks, block_elems, dtype=dtype,
+            self.host_kv_cache = torch.empty(s.num_layers, 2, num_host_blocks, block_elems, dtype=dtype,
                                              pin_memory=device.type == "cuda")
         self.sampler = Sampler(model.ops)
         self.supports_cascade = model.supports_cascade and dtype == torch.bfloat16

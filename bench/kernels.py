@@ -6,8 +6,8 @@ Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 M
 several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed); the fused
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
-in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA). Argmax:
-greedy sampling over [64, 49152] logits.
+in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
+kernel over bf16 and fp8 caches. Argmax: greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
 from __future__ import annotations
@@ -97,6 +97,22 @@ def attention() -> None:
              **best_ms({"amx": lambda: run(True), "sdpa": lambda: run(False)}, rounds=5))
 
 
+def kv_cache_dtypes() -> None:
+    """The paged kernel over a bf16 cache against fp8 ones (kv_cache_dtype): a decode step's 30 layers of 64 rows
+    over 362-token contexts (~530 MB of bf16 K/V, more than the caches hold), and prefill chunks."""
+    dtypes = {"bf16": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    for name, q_lens, ctx, layers in [("64 decodes x 362, 30 layers", [1] * 64, [362] * 64, 30),
+                                      ("4 prompts of 300", [300] * 4, [300] * 4, 1),
+                                      ("16 chunks of 64 after 500", [64] * 16, [564] * 16, 1),
+                                      ("a 2048-row chunk after 4952", [2048], [7000], 1)]:
+        fs = {}
+        for label, kv in dtypes.items():
+            be = CPUPagedAttention(3, 64, 32, kv)
+            cases = [make_case(be, q_lens, ctx, 32, torch.bfloat16, 9, 3, 64, seed=i)[:5] for i in range(layers)]
+            fs[label] = lambda be=be, cases=cases: [be.forward(*args, 0.125, None) for args in cases]
+        emit(bench="paged attention by cache dtype, ms", case=name, **best_ms(fs, rounds=5))
+
+
 def small_ops(ops) -> None:
     """The fused element-wise kernels against the torch ops they replace, on SmolLM2's shapes."""
     for rows in (64, 2048):
@@ -152,4 +168,5 @@ if __name__ == "__main__":
     small_ops(ops)
     gate_up_silu(ops)
     attention()
+    kv_cache_dtypes()
     argmax(ops)

@@ -13,6 +13,9 @@ import psutil
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV-cache element types besides the model's own ("auto"), by vLLM's names: 8-bit floats with scale 1 (vLLM's
+# default without calibrated scales), values beyond the format's range saturated. "fp8" is e4m3, as in vLLM.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
           "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
@@ -100,10 +103,14 @@ class EngineConfig:
     device: str | None = None
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto" (C++ kernel on CPU when it builds, else torch), "cpu", "torch"
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2": one byte per element, so twice the tokens in the
+    # same kv_cache_memory and half the bytes decode attention reads, at the cost of precision
+    kv_cache_dtype: str = "auto"
 
     # Derived by finalize():
     torch_dtype: torch.dtype = field(default=torch.float32, init=False)
     torch_device: torch.device = field(default=torch.device("cpu"), init=False)
+    torch_kv_dtype: torch.dtype = field(default=torch.float32, init=False)
 
     def __post_init__(self) -> None:
         if self.block_size != "auto" and self.block_size not in (8, 16, 32):
@@ -119,6 +126,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "cpu", "torch"):
             raise ValueError(f"attention_backend must be 'auto', 'cpu' or 'torch', got {self.attention_backend!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):
@@ -129,6 +139,7 @@ class EngineConfig:
     def finalize(self, checkpoint_dtype: torch.dtype, model_max_len: int) -> None:
         """Fix dtype, max_model_len, block size and token budget once the checkpoint is known."""
         self.torch_dtype = resolve_dtype(self.dtype, checkpoint_dtype, self.torch_device)
+        self.torch_kv_dtype = KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         if self.block_size == "auto":

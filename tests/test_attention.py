@@ -30,7 +30,8 @@ def dense_reference(q, k, v, q_lens, ctx_lens, scale, window):
 
 def make_case(backend, q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2, dim=32, seed=0):
     """Random K/V for each request's whole context, scattered into shuffled blocks (earlier tokens written with
-    the backend's own writer); new tokens are left for the backend. Returns its inputs and the dense tensors."""
+    the backend's own writer); new tokens are left for the backend. Returns its inputs and the dense tensors (as
+    the cache holds them: rounded to an fp8 cache's type)."""
     g = torch.Generator().manual_seed(seed)
     R = len(q_lens)
     nblocks = sum(-(-c // block_size) for c in ctx_lens) + 3
@@ -38,7 +39,7 @@ def make_case(backend, q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2,
     # The C++ kernel must never read a slot outside a context, even multiplied by 0: unused slots hold NaN for it.
     # (The torch reference masks scores, so it needs finite stale values, as a zero-initialised pool has.)
     fill = 0.0 if type(backend) is TorchPagedAttention else float("nan")
-    kv_cache = torch.full((2, nblocks, block_size * kv_heads * dim), fill, dtype=dtype)
+    kv_cache = torch.full((2, nblocks, block_size * kv_heads * dim), fill, dtype=backend.kv_cache_dtype or dtype)
     k_all = [torch.randn(c, kv_heads, dim, generator=g).to(dtype) for c in ctx_lens]
     v_all = [torch.randn(c, kv_heads, dim, generator=g).to(dtype) for c in ctx_lens]
     max_blocks = max(-(-c // block_size) for c in ctx_lens)
@@ -74,6 +75,7 @@ def make_case(backend, q_lens, ctx_lens, block_size, dtype, heads=6, kv_heads=2,
         decode_block_tables=t(np.ascontiguousarray(tables[dec])), decode_seq_lens=t(seq[dec]),
         max_decode_seq_len=int(seq[dec].max()) if len(dec) else 0,
         prefill_rows=np.nonzero(q_lens_np > 1)[0].tolist())
+    k_all, v_all = ([backend.to_cache(x).to(dtype) for x in xs] for xs in (k_all, v_all))
     return q, torch.stack(new_k), torch.stack(new_v), kv_cache, meta, k_all, v_all
 
 

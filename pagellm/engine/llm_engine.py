@@ -67,14 +67,14 @@ class LLMEngine:
         self._token_text: dict[int, str] = {}  # one token decoded alone, for logprobs (decode once per id)
         shape = ModelShape(cfg, ckpt.architecture)
         backend = select_backend(config.attention_backend, dev, shape.num_kv_heads, shape.head_dim,
-                                 config.block_size)
+                                 config.block_size, config.torch_kv_dtype)
         self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev, backend,
                                  config.max_model_len)
         del ckpt
         self.vocab_size = self.model.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)
 
-        per_block = kv_bytes_per_block(self.model.shape, config.block_size, config.torch_dtype)
+        per_block = kv_bytes_per_block(self.model.shape, config.block_size, config.torch_kv_dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(
             dev, config.gpu_memory_utilization, torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0)
         num_blocks = budget // per_block
@@ -86,7 +86,7 @@ class LLMEngine:
                                          num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_dtype, dev,
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_kv_dtype, dev,
                                   num_host_blocks)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
@@ -99,9 +99,10 @@ class LLMEngine:
         # walk what was made since (as vLLM does after start-up).
         gc.collect()
         gc.freeze()
-        logger.info("engine ready in %.1fs: %s %s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+        logger.info("engine ready in %.1fs: %s %s, %d KV blocks x %d tokens (%.0f MiB%s), max_model_len %d",
                     time.perf_counter() - t0, ckpt_arch(cfg), config.torch_dtype, num_blocks, config.block_size,
-                    self.runner.kv_cache_bytes / 2**20, config.max_model_len)
+                    self.runner.kv_cache_bytes / 2**20,
+                    "" if config.kv_cache_dtype == "auto" else f" of {config.torch_kv_dtype}", config.max_model_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,

@@ -4,7 +4,8 @@ Free-running bf16 and fp32 generations part ways at the first near-tie and never
 they say little about numerical quality. Teacher forcing does: the fp32 engine first generates a greedy
 continuation of each prompt; the engine in the tested dtype then reads prompt + continuation in one forward pass
 and predicts every continuation token; the figure is the share of positions where its top-1 equals the fp32
-token. One JSON line.
+token. One JSON line. With ``--kv-cache-dtype fp8*`` the tested engine also stores K/V in 8 bits (the reference
+keeps its fp32 cache).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def cmd_agreement(a: argparse.Namespace) -> None:
     kwargs = engine_kwargs(a)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
-    ref = LLM(**{**kwargs, "dtype": "float32"})
+    ref = LLM(**{**kwargs, "dtype": "float32", "kv_cache_dtype": "auto"})
     conts = [o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
     del ref
@@ -67,7 +68,8 @@ def cmd_agreement(a: argparse.Namespace) -> None:
     agree = sum(m * len(c) for m, c in zip(per_prompt, conts)) / total
     sys.stdout.write(json.dumps({
         "engine": "pagellm", "mode": "teacher_forced_agreement", "reference_dtype": "float32",
-        "dtype": str(engine.config.torch_dtype).replace("torch.", ""), "prompts": len(prompts),
+        "dtype": str(engine.config.torch_dtype).replace("torch.", ""), "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "prompts": len(prompts),
         "positions": total, "top1_agreement": round(agree, 4),
         "min_prompt_agreement": round(min(per_prompt), 4)}) + "\n")
 

@@ -24,6 +24,7 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_host_blocks: int = 0) -> None:
+        """dtype: the cache's element type (the model's, or an fp8 kv_cache_dtype)."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -50,13 +51,14 @@ class ModelRunner:
 
     def swap(self, so: SchedulerOutput) -> None:
         """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""
+        cache, host_cache = _raw(self.kv_cache), _raw(self.host_kv_cache)
         if so.swap_out:
             dev, host = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_out))
-            self.host_kv_cache.index_copy_(2, host, self.kv_cache.index_select(2, dev.to(self.device)).cpu())
+            host_cache.index_copy_(2, host, cache.index_select(2, dev.to(self.device)).cpu())
         if so.swap_in:
             host, dev = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_in))
-            blocks = self.host_kv_cache.index_select(2, host).to(self.device, non_blocking=True)
-            self.kv_cache.index_copy_(2, dev.to(self.device), blocks)
+            blocks = host_cache.index_select(2, host).to(self.device, non_blocking=True)
+            cache.index_copy_(2, dev.to(self.device), blocks)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, so: SchedulerOutput):
@@ -154,6 +156,11 @@ class ModelRunner:
             return [], None
         with record_function("pagellm.sample"):
             return sampling_reqs, self.sampler(logits, self._sampling_metadata(sampling_reqs))
+
+
+def _raw(cache: torch.Tensor | None) -> torch.Tensor | None:
+    """An fp8 cache as bytes (torch has no index_copy_ for fp8 types); others as they are."""
+    return cache.view(torch.uint8) if cache is not None and cache.element_size() == 1 else cache
 
 
 def _pad(rows: list[list[int]], device) -> torch.Tensor:

@@ -98,14 +98,28 @@ class AttentionBackend:
     # runner then leaves the cache unwritten until tokens land in it (see ModelRunner).
     needs_zeroed_cache = True
 
-    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        # None: the cache holds the model's dtype; an fp8 type: K/V are stored rounded to it (saturated) and read
+        # back as the model's dtype (kv_cache_dtype="fp8*")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype is not None and torch.finfo(kv_cache_dtype).bits == 8
+
+    def to_cache(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the cache stores it: fp8 values saturate at the format's largest finite value (as vLLM's casts)."""
+        if not self.fp8:
+            return x
+        m = torch.finfo(self.kv_cache_dtype).max
+        return x.clamp(-m, m).to(self.kv_cache_dtype)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first ``ctx`` tokens held in ``blocks``, each [kv_heads, ctx, head_dim]."""
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``ctx`` tokens held in ``blocks``, each [kv_heads, ctx, head_dim], as ``dtype``
+        (default: the cache's)."""
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -138,14 +152,18 @@ class TorchPagedAttention(AttentionBackend):
 
     def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
         k_flat, v_flat = self.views(kv_cache)
+        if self.fp8:  # torch has no index_copy_ for fp8 types: copy the bytes
+            k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+            k, v = self.to_cache(k).view(torch.uint8), self.to_cache(v).view(torch.uint8)
         k_flat.index_copy_(0, slot_mapping, k)
         v_flat.index_copy_(0, slot_mapping, v)
 
-    def gather(self, kv_cache, blocks, ctx):
+    def gather(self, kv_cache, blocks, ctx, dtype=None):
         k_flat, v_flat = self.views(kv_cache)
         bs = self.block_size
         slots = (blocks[:-(-ctx // bs), None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)[:ctx]
-        return k_flat[slots].transpose(0, 1), v_flat[slots].transpose(0, 1)
+        dtype = dtype or kv_cache.dtype
+        return k_flat[slots].transpose(0, 1).to(dtype), v_flat[slots].transpose(0, 1).to(dtype)
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -169,8 +187,8 @@ class TorchPagedAttention(AttentionBackend):
         bs = self.block_size
         slots = (meta.decode_block_tables[:, :-(-ctx // bs), None] * bs
                  + torch.arange(bs, device=q.device)).reshape(q.shape[0], -1)[:, :ctx]  # [Rd, L]
-        kd = k_flat[slots].transpose(1, 2)  # [Rd, Hkv, L, D]
-        vd = v_flat[slots].transpose(1, 2)
+        kd = k_flat[slots].transpose(1, 2).to(q.dtype)  # [Rd, Hkv, L, D]
+        vd = v_flat[slots].transpose(1, 2).to(q.dtype)
         seq = meta.decode_seq_lens[:, None]
         mask = _key_mask(seq - 1, torch.arange(ctx, device=q.device)[None, :], seq, sliding_window)  # [Rd, L]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :], scale=scale,
@@ -181,10 +199,10 @@ class TorchPagedAttention(AttentionBackend):
                 meta: AttentionMetadata, r: int, scale: float, sliding_window: int | None) -> torch.Tensor:
         """q, k, v: [Lq, heads, D], the last Lq positions of request r's context -> [Lq, H, D]."""
         qlen, ctx = q.shape[0], meta.seq_lens_list[r]
-        if qlen == ctx:  # the whole context is in this chunk
-            kp, vp = k.transpose(0, 1), v.transpose(0, 1)
+        if qlen == ctx:  # the whole context is in this chunk (as the cache holds it)
+            kp, vp = (self.to_cache(x).to(q.dtype).transpose(0, 1) for x in (k, v))
         else:
-            kp, vp = self.gather(kv_cache, meta.block_tables[r], ctx)
+            kp, vp = self.gather(kv_cache, meta.block_tables[r], ctx, q.dtype)
         kp, vp, qp = kp.unsqueeze(0), vp.unsqueeze(0), q.transpose(0, 1).unsqueeze(0)  # [1, heads, L, D]
         gqa = q.shape[1] != kp.shape[1]
         if qlen == ctx and sliding_window is None:
@@ -209,10 +227,11 @@ def _prefill_mask(meta: AttentionMetadata, r: int, qlen: int, ctx: int, sliding_
     return meta.masks[key]
 
 
-def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim: int,
-                   block_size: int) -> AttentionBackend:
-    """"auto": the C++ CPU kernels on CPU (torch reference if they cannot be built), the reference elsewhere."""
-    args = (num_kv_heads, head_dim, block_size)
+def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim: int, block_size: int,
+                   kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """"auto": the C++ CPU kernels on CPU (torch reference if they cannot be built), the reference elsewhere.
+    kv_cache_dtype: the cache's element type where it differs from the model's (fp8)."""
+    args = (num_kv_heads, head_dim, block_size, kv_cache_dtype)
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchPagedAttention(*args)
     from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention

@@ -1,6 +1,6 @@
 """CPU PagedAttention backend: the C++ kernels of ``csrc/paged_attention_cpu.cpp`` behind the backend interface.
 
-The cache uses the kernel's own layout (x = 4 bytes / element size, so 2 for bf16 and 1 for fp32):
+The cache uses the kernel's own layout (x = 4 bytes / element size: 4 for fp8, 2 for bf16, 1 for fp32):
 K [num_blocks, kv_heads, head_dim/x, block_size, x], V [num_blocks, kv_heads, block_size/x, head_dim, x].
 One kernel call per layer serves every decode row and short chunk of the step (as speculative decoding will
 produce), reading K/V in place from the blocks. Longer prefill chunks go, in bf16 on a CPU with AMX, to the AMX
@@ -34,19 +34,25 @@ class CPUPagedAttention(TorchPagedAttention):
     # and the SDPA fallback gathers exactly the context.
     needs_zeroed_cache = False
 
-    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_kv_heads, head_dim, block_size)
-        if block_size % 2:
-            raise ValueError(f"block_size must be even for the CPU kernels, got {block_size}")
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size, kv_cache_dtype)
+        per_word = 4 if self.fp8 else 2  # elements per 32-bit word of the layout
+        if block_size % per_word:
+            raise ValueError(f"block_size must be a multiple of {per_word} for the CPU kernels with this cache "
+                             f"dtype, got {block_size}")
         self.ops = load_extension()
         self._views: dict = {}
-        # bf16 prefill chunks on AMX tiles straight from the blocks (csrc/prefill_attention_amx.cpp), else SDPA
-        self.amx_prefill = bool(self.ops.prefill_attention_amx_supported(head_dim, block_size))
+        # bf16 prefill chunks on AMX tiles straight from the blocks (csrc/prefill_attention_amx.cpp), else SDPA.
+        # An fp8 cache: the paged kernel takes every chunk (it reads fp8 in place, the AMX kernel bf16 only).
+        self.amx_prefill = not self.fp8 and bool(self.ops.prefill_attention_amx_supported(head_dim, block_size))
         self.supports_cascade = self.amx_prefill  # the shared prefix runs on the same AMX kernel
 
     def max_query(self, dtype: torch.dtype) -> int:
         """The longest chunk (rows of one request) the paged kernel takes; longer ones go to the AMX prefill kernel
         or SDPA (see KERNEL_MAX_QUERY and NO_QUERY_LIMIT)."""
+        if self.fp8:
+            return NO_QUERY_LIMIT
         return KERNEL_MAX_QUERY if self.amx_prefill or dtype == torch.float32 else NO_QUERY_LIMIT
 
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +67,12 @@ class CPUPagedAttention(TorchPagedAttention):
         kc, vc = self.views(kv_cache)
         self.ops.write_kv_cache(k, v, kc, vc, slot_mapping)
 
-    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, ctx: int,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.views(kv_cache)
         shape = (self.num_kv_heads, ctx, self.head_dim)
-        k = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
-        v = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+        k = torch.empty(shape, dtype=dtype or kv_cache.dtype, device=kv_cache.device)
+        v = torch.empty(shape, dtype=dtype or kv_cache.dtype, device=kv_cache.device)
         self.ops.gather_kv_cache(kc, vc, blocks[:-(-ctx // self.block_size)].contiguous(), k, v)
         return k, v
 

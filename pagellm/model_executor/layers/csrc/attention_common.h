@@ -11,9 +11,9 @@
 
 namespace pagellm {
 
-// Elements per 32-bit word of the cache: 2 for bf16/fp16, 1 for fp32.
+// Elements per 32-bit word of the cache: 4 for fp8, 2 for bf16/fp16, 1 for fp32.
 template <typename T>
-constexpr int pack_x() { return sizeof(T) == 4 ? 1 : 2; }
+constexpr int pack_x() { return 4 / static_cast<int>(sizeof(T)); }
 
 // Element access in the layout (portable path and odd shapes): kb / vb point at one (block, kv head).
 template <typename T>
@@ -72,19 +72,31 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
                        int64_t ns, const char* pk = nullptr, const char* pv = nullptr) {
   constexpr int x = pack_x<T>();
   constexpr int A = NV <= 4 ? 4 : 2;
+  constexpr int R = x == 4 ? 1 : A / 2;  // word rows per step (D / x is a multiple of 2)
   const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
   __m512 acc[A][NV];
   PAGELLM_UNROLL
   for (int a = 0; a < A; ++a)
     PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) acc[a][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < D / x; j += A / 2) {  // A / 2 word rows per step (D / x is a multiple of 2)
+  for (int64_t j = 0; j < D / x; j += R) {
     PAGELLM_UNROLL
-    for (int u = 0; u < A / 2; ++u) {
+    for (int u = 0; u < R; ++u) {
       if (pk) _mm_prefetch(pk + (j + u) * B * 4, _MM_HINT_T0);
       if (pv) _mm_prefetch(pv + (j + u) * 64, _MM_HINT_T0);
       const __m512i word = _mm512_maskz_loadu_epi32(m, w + (j + u) * B);
-      if constexpr (x == 2) {
+      if constexpr (x == 4) {  // fp8: dims 4j .. 4j+3, element e into accumulator e % A
+        const __m512 e0 = fp8_lane<0>(word, kb), e1 = fp8_lane<1>(word, kb);
+        const __m512 e2 = fp8_lane<2>(word, kb), e3 = fp8_lane<3>(word, kb);
+        PAGELLM_UNROLL
+        for (int v = 0; v < NV; ++v) {
+          const float* qv = q + v * D + 4 * j;
+          acc[0][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[0]), e0, acc[0][v]);
+          acc[1][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[1]), e1, acc[1][v]);
+          acc[2 % A][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[2]), e2, acc[2 % A][v]);
+          acc[3 % A][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[3]), e3, acc[3 % A][v]);
+        }
+      } else if constexpr (x == 2) {
         __m512 lo, hi;
         split(word, lo, hi, kb);
         PAGELLM_UNROLL
@@ -126,6 +138,22 @@ PAGELLM_INLINE void pv_pair(const float* p, int64_t ns, const int32_t* row, bool
   }
 }
 
+// fp8: acc[v] += p[v][t] * v_t for the four tokens of one word row whose bits are set in valid.
+template <int NV, int C, typename T>
+PAGELLM_INLINE void pv_quad(const float* p, int64_t ns, const int32_t* row, unsigned valid, __m512 (&acc)[NV][C]) {
+  const T* tag = nullptr;
+  PAGELLM_UNROLL
+  for (int c = 0; c < C; ++c) {
+    const __m512i w = _mm512_loadu_si512(row + 16 * c);
+    const __m512 e[4] = {fp8_lane<0>(w, tag), fp8_lane<1>(w, tag), fp8_lane<2>(w, tag), fp8_lane<3>(w, tag)};
+    PAGELLM_UNROLL
+    for (int k = 0; k < 4; ++k)
+      if (valid >> k & 1)
+        PAGELLM_UNROLL
+        for (int v = 0; v < NV; ++v) acc[v][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[v * ns + k]), e[k], acc[v][c]);
+  }
+}
+
 // acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
 // [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in.
 template <int NV, int C, typename T>
@@ -134,7 +162,19 @@ PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo
   constexpr int x = pack_x<T>();
   constexpr int64_t D = 16 * C;
   const int32_t* w = reinterpret_cast<const int32_t*>(vb);
-  if constexpr (x == 2) {
+  if constexpr (x == 4) {
+    int64_t i = lo / 4;
+    for (; 4 * i < hi; ++i) {
+      const int64_t t = 4 * i;
+      if (t >= lo && t + 4 <= hi) {
+        pv_quad<NV, C, T>(p + t, ns, w + i * D, 0xFu, acc);
+      } else {
+        unsigned valid = 0;
+        for (int k = 0; k < 4; ++k) valid |= static_cast<unsigned>(t + k >= lo && t + k < hi) << k;
+        pv_quad<NV, C, T>(p + t, ns, w + i * D, valid, acc);
+      }
+    }
+  } else if constexpr (x == 2) {
     int64_t i = lo / 2;
     if (lo % 2) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
     for (; 2 * i + 1 < hi; ++i) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);

@@ -70,13 +70,15 @@ class LlamaDecoder : public torch::CustomClassHolder {
     layers_.push_back(std::move(layer));
   }
 
-  // The per-layer views of the KV cache, [NB, Hkv, D/2, B, 2] and [NB, Hkv, B/2, D, 2] (cpu_attention.views).
+  // The per-layer views of the KV cache, [NB, Hkv, D/x, B, x] and [NB, Hkv, B/x, D, x] (cpu_attention.views; x = 2
+  // for bf16, 4 for an fp8 cache).
   void bind_cache(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "one cache per layer");
     for (size_t l = 0; l < layers_.size(); ++l) layers_[l].k_cache = k_caches[l], layers_[l].v_cache = v_caches[l];
-    // as cpu_attention.py decides: without the AMX prefill kernel (no AMX, or a head_dim / block size it does not
-    // take) the paged kernel runs every chunk (the caller passes kernel_max_query without limit)
-    amx_prefill_ = !v_caches.empty() && prefill_attention_amx_supported(D_, v_caches[0].size(2) * 2);
+    // as cpu_attention.py decides: without the AMX prefill kernel (no AMX, a head_dim / block size it does not
+    // take, or an fp8 cache) the paged kernel runs every chunk (the caller passes kernel_max_query without limit)
+    amx_prefill_ = !v_caches.empty() && v_caches[0].scalar_type() == at::kBFloat16 &&
+                   prefill_attention_amx_supported(D_, v_caches[0].size(2) * v_caches[0].size(4));
   }
 
   // x: the embeddings [T, hidden] (taken over as the residual stream). Returns (last layer's output, residual);

@@ -27,6 +27,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "attention_common.h"
@@ -65,6 +66,20 @@ inline Task one_head(const Task& t, int64_t j) {
   Task th = t;
   th.h = t.h + j, th.nh = 1;
   return th;
+}
+
+// fp8 requests whose tasks have more query vectors than one pass of the value loop takes (prefill chunks): the
+// kernel reads every element once per group of vectors, and converting fp8 each time costs more than the
+// multiply-adds it feeds. So their blocks are first converted once per call into bf16 (which holds every e4m3
+// and e5m2 value exactly) in the bf16 layout, and their tasks run the bf16 kernel on that copy.
+struct Staged {
+  Args a;                            // addresses the copy: block table [R, MB] into it, its strides
+  const c10::BFloat16 *k = nullptr, *v = nullptr;
+  std::vector<char> on;              // per request: its tasks read the copy
+};
+
+inline bool wants_staging(const Args& a, int64_t qlen, int64_t max_query_len) {
+  return qlen <= max_query_len && std::min(qlen, kTileRows) * a.G > 4;
 }
 
 // Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
@@ -158,10 +173,13 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
     pv_block<NV, C, T>(S + v0 * s.ns + (b - s.b0) * a.B, s.ns, vb, lo, hi, acc);
   }
+  const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
     PAGELLM_UNROLL
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c, acc[v][c]);
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c,
+                       fp8_read_scale<T>() == 1.f ? acc[v][c] : _mm512_mul_ps(acc[v][c], undo));
 }
 
 // The last rem (< NV) vectors in one pass.
@@ -207,6 +225,91 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
     if (v < nv) values_tail<C, T, NV - 1>(a, th, s, Sh, vc, v, nv - v, oh);
   }
 }
+
+// attend<D / 16, T>, or false where the head_dim has no vectorised kernel.
+template <typename T>
+bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+  switch (a.D) {
+    case 16: attend<1, T>(a, t, qf, kc, vc, S, of); return true;
+    case 32: attend<2, T>(a, t, qf, kc, vc, S, of); return true;
+    case 64: attend<4, T>(a, t, qf, kc, vc, S, of); return true;
+    case 96: attend<6, T>(a, t, qf, kc, vc, S, of); return true;
+    case 128: attend<8, T>(a, t, qf, kc, vc, S, of); return true;
+    case 256: attend<16, T>(a, t, qf, kc, vc, S, of); return true;
+    default: return false;
+  }
+}
+
+// (bits of a) >> 16 | (bits of b) & 0xffff0000: two fp32 values that bf16 holds exactly, as one word of bf16.
+inline __m512i pack_bf16(__m512 lo, __m512 hi) {
+  return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                         _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// One (block, kv head) of fp8 into bf16: K word row j (dims 4j .. 4j+3 of B tokens) -> rows 2j, 2j + 1; V word
+// row i (tokens 4i .. 4i+3, D dims) -> rows 2i, 2i + 1.
+template <typename KV>
+void fp8_block_to_bf16(const int32_t* kw, const int32_t* vw, int32_t* ko, int32_t* vo, int64_t B, int64_t D) {
+  const KV* tag = nullptr;
+  const __m512 undo = _mm512_set1_ps(fp8_read_scale<KV>());
+  auto lanes = [&](__m512i w, __m512 (&e)[4]) {
+    e[0] = _mm512_mul_ps(fp8_lane<0>(w, tag), undo), e[1] = _mm512_mul_ps(fp8_lane<1>(w, tag), undo);
+    e[2] = _mm512_mul_ps(fp8_lane<2>(w, tag), undo), e[3] = _mm512_mul_ps(fp8_lane<3>(w, tag), undo);
+  };
+  __m512 e[4];
+  for (int64_t j = 0; j < D / 4; ++j)
+    for (int64_t t0 = 0; t0 < B; t0 += 16) {
+      const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, B - t0)) - 1);
+      lanes(_mm512_maskz_loadu_epi32(m, kw + j * B + t0), e);
+      _mm512_mask_storeu_epi32(ko + 2 * j * B + t0, m, pack_bf16(e[0], e[1]));
+      _mm512_mask_storeu_epi32(ko + (2 * j + 1) * B + t0, m, pack_bf16(e[2], e[3]));
+    }
+  for (int64_t i = 0; i < B / 4; ++i)
+    for (int64_t d = 0; d < D; d += 16) {
+      lanes(_mm512_loadu_si512(vw + i * D + d), e);
+      _mm512_storeu_si512(vo + 2 * i * D + d, pack_bf16(e[0], e[1]));
+      _mm512_storeu_si512(vo + (2 * i + 1) * D + d, pack_bf16(e[2], e[3]));
+    }
+}
+
+// Fills st for the requests that want it (none: st.on all false). The copy lives in per-thread buffers that keep
+// their size between calls, so a step's 30 layers do not each map and fault in fresh pages.
+template <typename KV>
+void stage_requests(const Args& a, int64_t R, int64_t max_query_len, const KV* kc, const KV* vc, Staged& st) {
+  thread_local std::vector<c10::BFloat16> kbuf, vbuf;
+  thread_local std::vector<int64_t> table;
+  st.on.assign(R, 0);
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, block index in its table)
+  table.assign(R * a.MB, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    if (!wants_staging(a, a.qs[r + 1] - a.qs[r], max_query_len)) continue;
+    st.on[r] = 1;
+    for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
+      table[r * a.MB + b] = static_cast<int64_t>(blocks.size());
+      blocks.emplace_back(r, b);
+    }
+  }
+  if (blocks.empty()) return;
+  const int64_t per = a.B * a.D, n = static_cast<int64_t>(blocks.size()) * a.Hkv * per;
+  if (static_cast<int64_t>(kbuf.size()) < n) kbuf.resize(n), vbuf.resize(n);
+  // (the workers must not name the thread_locals: each would see its own, empty)
+  c10::BFloat16* kout = kbuf.data();
+  c10::BFloat16* vout = vbuf.data();
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()) * a.Hkv, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, b] = blocks[i / a.Hkv];
+      const int64_t h = i % a.Hkv, src = a.bt[r * a.MB + b];
+      fp8_block_to_bf16<KV>(reinterpret_cast<const int32_t*>(kc + src * a.k_sb + h * a.k_sh),
+                            reinterpret_cast<const int32_t*>(vc + src * a.v_sb + h * a.v_sh),
+                            reinterpret_cast<int32_t*>(kout + i * per), reinterpret_cast<int32_t*>(vout + i * per),
+                            a.B, a.D);
+    }
+  });
+  st.a = a;
+  st.a.bt = table.data();
+  st.a.k_sb = st.a.v_sb = a.Hkv * per, st.a.k_sh = st.a.v_sh = per;
+  st.k = kout, st.v = vout;
+}
 #endif
 
 // true when the vectorised kernel covers this head_dim (else the portable path runs)
@@ -218,39 +321,36 @@ inline bool vectorised(int64_t D) {
 #endif
 }
 
-template <typename T>
-void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* vc, T* op, std::vector<float>& qf,
-              std::vector<float>& S, std::vector<float>& of) {
+// q, out: T; the cache: KV (T itself, or fp8; st: the requests read from a bf16 copy, see Staged).
+template <typename T, typename KV>
+void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV* vc, T* op, const Staged& st,
+              std::vector<float>& qf, std::vector<float>& S, std::vector<float>& of) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, D = a.D;
   qf.resize(t.nh * nv * D);
   of.resize(t.nh * nv * D);
   S.resize(t.nh * nv * s.ns);
   const int64_t row0 = a.qs[t.r] + t.i0;
+  // fp8: a staged request's tasks run on the bf16 copy of its blocks; otherwise the vectorised kernel reads e4m3
+  // keys scaled down (fp8_read_scale) and q takes the factor, exactly.
+  const bool stage = !st.on.empty() && st.on[t.r];
+  const float q_scale = a.scale * (vectorised(D) && !stage ? fp8_read_scale<KV>() : 1.f);
   // Head j of the task's kv heads holds its vectors j * nv .. j * nv + nv - 1 in qf, S and of.
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {
         const T* q = qp + (row0 + i) * a.q_s0 + ((t.h + j) * a.G + g) * a.q_s1;
         float* f = qf.data() + ((j * t.nrows + i) * a.G + g) * D;
-        for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * a.scale;
+        for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * q_scale;
       }
   bool done = false;
 #if defined(__AVX512F__)
-  done = true;
-  switch (vectorised(D) ? D / 16 : 0) {
-    case 1: attend<1, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    case 2: attend<2, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    case 4: attend<4, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    case 6: attend<6, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    case 8: attend<8, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    case 16: attend<16, T>(a, t, qf.data(), kc, vc, S.data(), of.data()); break;
-    default: done = false;
-  }
+  if (stage) done = attend_dims<c10::BFloat16>(st.a, t, qf.data(), st.k, st.v, S.data(), of.data());
+  if (!done && vectorised(D)) done = attend_dims<KV>(a, t, qf.data(), kc, vc, S.data(), of.data());
 #endif
   if (!done)
     for (int64_t j = 0; j < t.nh; ++j)
-      attend_generic<T>(a, one_head(t, j), qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns,
+      attend_generic<KV>(a, one_head(t, j), qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns,
                         of.data() + j * nv * D);
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
@@ -261,7 +361,7 @@ void run_task(const Args& a, const Task& t, const T* qp, const T* kc, const T* v
       }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& bt,
                const at::Tensor& seq_lens, const at::Tensor& query_start, at::Tensor& out, double scale,
                int64_t window, int64_t max_query_len, const int64_t* kv_start, float* lse, int64_t lse_s0) {
@@ -295,12 +395,17 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
       }
   }
   const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const KV* kc = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* vc = static_cast<const KV*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
+  Staged st;
+#if defined(__AVX512F__)
+  if constexpr (is_fp8<KV>())
+    if (vectorised(a.D)) stage_requests<KV>(a, R, max_query_len, kc, vc, st);
+#endif
   run_largest_first(tasks, [&](auto next) {
     std::vector<float> qf, S, of;
-    while (const Task* t = next()) run_task<T>(a, *t, qp, kc, vc, op, qf, S, of);
+    while (const Task* t = next()) run_task<T, KV>(a, *t, qp, kc, vc, op, st, qf, S, of);
   });
 }
 
@@ -322,16 +427,41 @@ inline void write_pairs(const T* ks, T* kd, const T* vs, T* vd, int64_t D, int64
   for (; d < D; ++d) vd[2 * d + odd] = vs[d];
 }
 
-// Scatter this step's K/V rows into their slots (slot = block * B + offset; negative slots are skipped).
-template <typename T>
+// One token of one kv head into fp8 caches (converted as to_fp8): K as D/4 words (dims 4j .. 4j+3), B words
+// apart; V into byte `off` (0-3) of each of the D words of its row of four tokens.
+template <typename T, typename KV>
+inline void write_quads(const T* ks, KV* kd, const T* vs, KV* vd, int64_t D, int64_t B, int64_t off) {
+  uint8_t* k8 = reinterpret_cast<uint8_t*>(kd);
+  uint8_t* v8 = reinterpret_cast<uint8_t*>(vd) - off;  // the word row's start
+  int64_t d = 0;
+#if defined(__AVX512BW__)
+  const __mmask64 byte = 0x1111111111111111ull << off;
+  for (; d + 16 <= D; d += 16) {
+    alignas(16) uint8_t kb[16];  // dims d .. d+15: four words
+    _mm_store_si128(reinterpret_cast<__m128i*>(kb), cvt_fp8(load16(ks + d), static_cast<const KV*>(nullptr)));
+    for (int w = 0; w < 4; ++w) std::memcpy(k8 + (d / 4 + w) * B * 4, kb + 4 * w, 4);
+    const __m512i vw = _mm512_slli_epi32(_mm512_cvtepu8_epi32(cvt_fp8(load16(vs + d), static_cast<const KV*>(nullptr))),
+                                         8 * static_cast<int>(off));
+    _mm512_mask_storeu_epi8(v8 + 4 * d, byte, vw);
+  }
+#endif
+  for (; d < D; ++d) {
+    k8[(d / 4) * B * 4 + d % 4] = to_fp8<KV>(to_float(ks[d])).x;
+    v8[4 * d + off] = to_fp8<KV>(to_float(vs[d])).x;
+  }
+}
+
+// Scatter this step's K/V rows (T) into their slots of the cache (KV: T, or fp8 converted by to_fp8); slot =
+// block * B + offset, negative slots are skipped.
+template <typename T, typename KV>
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                  const at::Tensor& slots) {
-  constexpr int x = pack_x<T>();
+  constexpr int x = pack_x<KV>();
   const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2), B = v_cache.size(2) * x;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  KV* kc = static_cast<KV*>(k_cache.data_ptr());
+  KV* vc = static_cast<KV*>(v_cache.data_ptr());
   const int64_t* sp = slots.data_ptr<int64_t>();
   // A grain of 16 rows: a decode step's 64 rows go to both threads (with 64, one thread wrote them all). Each row's
   // K touches 32 cache lines that miss (the block was evicted since the last step), and two cores wait on twice the
@@ -344,44 +474,47 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, 
       for (int64_t h = 0; h < Hkv; ++h) {
         const T* ks = kp + t * k.stride(0) + h * k.stride(1);
         const T* vs = vp + t * v.stride(0) + h * v.stride(1);
-        T* kd = kc + blk * k_cache.stride(0) + h * k_cache.stride(1) + off * x;
-        T* vd = vc + blk * v_cache.stride(0) + h * v_cache.stride(1) + (off / x) * D * x + off % x;
-        if constexpr (x == 2) {
+        KV* kd = kc + blk * k_cache.stride(0) + h * k_cache.stride(1) + off * x;
+        KV* vd = vc + blk * v_cache.stride(0) + h * v_cache.stride(1) + (off / x) * D * x + off % x;
+        if constexpr (x == 4) {
+          write_quads(ks, kd, vs, vd, D, B, off % 4);
+        } else if constexpr (x == 2) {
           write_pairs(ks, kd, vs, vd, D, B, off % 2);
-          continue;
+        } else {
+          for (int64_t j = 0; j < D / x; ++j)
+            for (int e = 0; e < x; ++e) kd[j * B * x + e] = ks[j * x + e];
+          for (int64_t d = 0; d < D; ++d) vd[d * x] = vs[d];
         }
-        for (int64_t j = 0; j < D / x; ++j)
-          for (int e = 0; e < x; ++e) kd[j * B * x + e] = ks[j * x + e];
-        for (int64_t d = 0; d < D; ++d) vd[d * x] = vs[d];
       }
     }
   });
 }
 
-// Copy the first ctx tokens of a block table out of the cache: k, v [Hkv, ctx, D] contiguous.
-template <typename T>
+// Copy the first ctx tokens of a block table out of the cache (KV) as T: k, v [Hkv, ctx, D] contiguous.
+template <typename T, typename KV>
 void gather_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& blocks, at::Tensor& k,
                   at::Tensor& v) {
-  constexpr int x = pack_x<T>();
+  constexpr int x = pack_x<KV>();
   const int64_t Hkv = k.size(0), L = k.size(1), D = k.size(2), B = v_cache.size(2) * x;
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const KV* kc = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* vc = static_cast<const KV*>(v_cache.data_ptr());
   const int64_t* bt = blocks.data_ptr<int64_t>();
   T* kp = k.data_ptr<T>();
   T* vp = v.data_ptr<T>();
   at::parallel_for(0, Hkv * ((L + B - 1) / B), 8, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = (L + B - 1) / B, h = task / nb, b = task % nb, n = std::min(B, L - b * B);
-      const T* kb = kc + bt[b] * k_cache.stride(0) + h * k_cache.stride(1);
-      const T* vb = vc + bt[b] * v_cache.stride(0) + h * v_cache.stride(1);
+      const KV* kb = kc + bt[b] * k_cache.stride(0) + h * k_cache.stride(1);
+      const KV* vb = vc + bt[b] * v_cache.stride(0) + h * v_cache.stride(1);
       T* kd = kp + (h * L + b * B) * D;
       T* vd = vp + (h * L + b * B) * D;
       for (int64_t t = 0; t < n; ++t)
         for (int64_t j = 0; j < D / x; ++j)
-          for (int e = 0; e < x; ++e) kd[t * D + j * x + e] = kb[j * B * x + t * x + e];
+          for (int e = 0; e < x; ++e) kd[t * D + j * x + e] = static_cast<T>(to_float(kb[j * B * x + t * x + e]));
       for (int64_t i = 0; i < (n + x - 1) / x; ++i)
         for (int64_t d = 0; d < D; ++d)
-          for (int e = 0; e < x && i * x + e < n; ++e) vd[(i * x + e) * D + d] = vb[(i * D + d) * x + e];
+          for (int e = 0; e < x && i * x + e < n; ++e)
+            vd[(i * x + e) * D + d] = static_cast<T>(to_float(vb[(i * D + d) * x + e]));
     }
   });
 }
@@ -394,7 +527,18 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D
   TORCH_CHECK(k_cache.stride(4) == 1 && k_cache.stride(3) == x && k_cache.stride(2) == B * x &&
               v_cache.stride(4) == 1 && v_cache.stride(3) == x && v_cache.stride(2) == D * x,
               "each (block, head) of the cache must be contiguous");
-  TORCH_CHECK(B % 2 == 0, "block size must be even");
+  TORCH_CHECK(B % x == 0, "block size must be a multiple of ", x);
+}
+
+// Calls f(KV{}) for a cache of dtype t holding K/V for queries of type T: T itself, or fp8 (e4m3fn, e5m2).
+template <typename T, typename F>
+void dispatch_cache(c10::ScalarType t, c10::ScalarType q, const char* name, F&& f) {
+  if (t == q) return f(T{});
+  switch (t) {
+    case c10::ScalarType::Float8_e4m3fn: return f(c10::Float8_e4m3fn{});
+    case c10::ScalarType::Float8_e5m2: return f(c10::Float8_e5m2{});
+    default: TORCH_CHECK(false, name, ": a ", t, " cache does not go with ", q, " (the same dtype, or fp8)");
+  }
 }
 
 }  // namespace
@@ -413,16 +557,19 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == q.size(0) &&
                 lse->size(1) == q.size(1) && lse->stride(1) == 1, "lse: float32 [T, H]");
   check_cache(k_cache, v_cache, q.size(2));
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "indices must be contiguous int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
               query_start.numel() == seq_lens.numel() + 1, "block_tables [R, MB], seq_lens [R], query_start [R+1]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
   pagellm::dispatch_float(q.scalar_type(), "paged_attention", [&](auto tag) {
-    attention<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
-                             max_query_len, has_start ? kv_start->data_ptr<int64_t>() : nullptr,
-                             has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0);
+    using T = decltype(tag);
+    dispatch_cache<T>(k_cache.scalar_type(), q.scalar_type(), "paged_attention", [&](auto kv) {
+      attention<T, decltype(kv)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
+                                 max_query_len, has_start ? kv_start->data_ptr<int64_t>() : nullptr,
+                                 has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0);
+    });
   });
 }
 
@@ -430,11 +577,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [N, Hkv, D]");
   check_cache(k_cache, v_cache, k.size(2));
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == k.size(0), "slot_mapping: int64 [N]");
   pagellm::dispatch_float(k.scalar_type(), "write_kv_cache", [&](auto tag) {
-    write_cache<decltype(tag)>(k, v, k_cache, v_cache, slot_mapping);
+    using T = decltype(tag);
+    dispatch_cache<T>(k_cache.scalar_type(), k.scalar_type(), "write_kv_cache", [&](auto kv) {
+      write_cache<T, decltype(kv)>(k, v, k_cache, v_cache, slot_mapping);
+    });
   });
 }
 
@@ -442,12 +592,15 @@ void gather_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const
                      at::Tensor v) {
   TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() && v.sizes() == k.sizes(), "k/v: [Hkv, L, D]");
   check_cache(k_cache, v_cache, k.size(2));
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
   const int64_t B = v_cache.size(2) * v_cache.size(4);
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.is_contiguous() && blocks.numel() * B >= k.size(1),
               "blocks: int64, enough for the context");
   pagellm::dispatch_float(k.scalar_type(), "gather_kv_cache", [&](auto tag) {
-    gather_cache<decltype(tag)>(k_cache, v_cache, blocks, k, v);
+    using T = decltype(tag);
+    dispatch_cache<T>(k_cache.scalar_type(), k.scalar_type(), "gather_kv_cache", [&](auto kv) {
+      gather_cache<T, decltype(kv)>(k_cache, v_cache, blocks, k, v);
+    });
   });
 }
 

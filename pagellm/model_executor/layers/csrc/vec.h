@@ -6,6 +6,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -46,6 +49,25 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+
+// fp8 KV-cache elements (kv_cache_dtype "fp8_e4m3" / "fp8_e5m2", scale 1 as vLLM's default). A float beyond the
+// format's largest finite value is stored as that value (saturated), so an outlier never becomes inf or NaN.
+template <typename KV>
+constexpr bool is_fp8() { return std::is_same_v<KV, c10::Float8_e4m3fn> || std::is_same_v<KV, c10::Float8_e5m2>; }
+template <typename KV>
+constexpr float fp8_max() { return std::is_same_v<KV, c10::Float8_e4m3fn> ? 448.f : 57344.f; }
+template <typename KV>
+inline KV to_fp8(float f) {  // c10's rounding (nearest even) after the clamp; NaN stays NaN
+  if (f > fp8_max<KV>()) f = fp8_max<KV>();
+  else if (f < -fp8_max<KV>()) f = -fp8_max<KV>();
+  return KV(f);
+}
+// The vectorised kernels read an fp8 element through fp16, which holds both formats exactly: e5m2 is fp16's top
+// byte; e4m3's magnitude bits sit one bit lower and read as the value / 256. This is the factor to undo it.
+template <typename KV>
+constexpr float fp8_read_scale() { return std::is_same_v<KV, c10::Float8_e4m3fn> ? 256.f : 1.f; }
 
 // float -> T with the same rounding torch uses when it stores a float result into a tensor of dtype T.
 template <typename T>
@@ -88,6 +110,57 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
+// c10's float -> fp8 (round to nearest even; below the smallest normal by the same magic-number add), 16 lanes, bit
+// for bit as to_fp8: saturated at the largest finite code, NaN kept. kMant mantissa bits, exponent bias kBias.
+template <int kMant, int kBias, int kMaxCode>
+inline __m128i cvt_fp8_bits(__m512 v) {
+  constexpr int shift = 23 - kMant;
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i f = _mm512_xor_si512(bits, sign);
+  const __m512i dm = _mm512_set1_epi32((127 - kBias + shift + 1) << 23);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(f), _mm512_castsi512_ps(dm))), dm);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(f, shift), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(
+      f, _mm512_set1_epi32(static_cast<int>((static_cast<uint32_t>(kBias - 127) << 23) + (1u << (shift - 1)) - 1)));
+  r = _mm512_min_epu32(_mm512_srli_epi32(_mm512_add_epi32(r, odd), shift), _mm512_set1_epi32(kMaxCode));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(f, _mm512_set1_epi32((127 - kBias + 1) << 23)), sub);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(f, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+inline __m128i cvt_fp8(__m512 v, const c10::Float8_e4m3fn*) { return cvt_fp8_bits<3, 7, 0x7e>(v); }
+inline __m128i cvt_fp8(__m512 v, const c10::Float8_e5m2*) { return cvt_fp8_bits<2, 15, 0x7b>(v); }
+
+// Byte E of each of 16 words as fp32 (e4m3: the value / 256, see fp8_read_scale): the byte goes to the top of a
+// 16-bit lane, which then reads as fp16.
+template <int E>
+inline __m256i fp8_byte_to_half(__m512i w) {
+#if defined(__AVX512VBMI__)
+  // 16-bit lane k takes byte 4k + E of w as its high byte, a zero low byte (one vpermb)
+  const __m512i idx = _mm512_add_epi16(
+      _mm512_slli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                         12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 10),
+      _mm512_set1_epi16(static_cast<short>(E << 8)));
+  return _mm512_castsi512_si256(_mm512_maskz_permutexvar_epi8(0x00000000AAAAAAAAull, idx, w));
+#else
+  __m512i x;  // byte E at bits 8-15 of each word, zeros below; vpmovdw drops the bits above
+  if constexpr (E == 0) x = _mm512_slli_epi32(w, 8);
+  else if constexpr (E == 1) x = _mm512_and_si512(w, _mm512_set1_epi32(0xff00));
+  else x = _mm512_and_si512(_mm512_srli_epi32(w, 8 * (E - 1)), _mm512_set1_epi32(0xff00));
+  return _mm512_cvtepi32_epi16(x);
+#endif
+}
+template <int E>
+PAGELLM_INLINE __m512 fp8_lane(__m512i w, const c10::Float8_e5m2*) { return _mm512_cvtph_ps(fp8_byte_to_half<E>(w)); }
+template <int E>
+PAGELLM_INLINE __m512 fp8_lane(__m512i w, const c10::Float8_e4m3fn*) {
+  // sign, then the 7 magnitude bits one place lower: value / 256 (e4m3's NaN, 0x7f, which the saturating writer
+  // stores only for a NaN input, reads as 496)
+  const __m256i h = fp8_byte_to_half<E>(w);
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<short>(0xBF80))));
+}
+
 // Round to T's precision and back: what a float result looks like after torch stores it in a T tensor.
 inline __m512 round_to(__m512 v, const float*) { return v; }
 inline __m512 round_to(__m512 v, const c10::BFloat16*) {

@@ -78,8 +78,11 @@ struct Staged {
   std::vector<char> on;              // per request: its tasks read the copy
 };
 
+// Query vectors per pass of the value loop (their accumulators, NV x C registers, stay in registers); C = D / 16.
+constexpr int values_per_pass(int64_t C) { return C >= 8 ? (C >= 16 ? 1 : 2) : 4; }
+
 inline bool wants_staging(const Args& a, int64_t qlen, int64_t max_query_len) {
-  return qlen <= max_query_len && std::min(qlen, kTileRows) * a.G > 4;
+  return qlen <= max_query_len && std::min(qlen, kTileRows) * a.G > values_per_pass(a.D / 16);
 }
 
 // Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
@@ -213,8 +216,7 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
                          vb + t0 * 16 * C * sizeof(T));
       }
     }
-  // Vectors per pass: their accumulators (NV * C registers) stay in registers.
-  constexpr int NV = C >= 8 ? (C >= 16 ? 1 : 2) : 4;
+  constexpr int NV = values_per_pass(C);
   for (int64_t j = 0; j < t.nh; ++j) {
     const Task th = one_head(t, j);
     float* Sh = S + j * nv * s.ns;
@@ -272,16 +274,20 @@ void fp8_block_to_bf16(const int32_t* kw, const int32_t* vw, int32_t* ko, int32_
     }
 }
 
-// Fills st for the requests that want it (none: st.on all false). The copy lives in per-thread buffers that keep
-// their size between calls, so a step's 30 layers do not each map and fault in fresh pages.
+// Fills st for the requests that want it (none, as in a decode step: st.on stays empty). The copy lives in
+// per-thread buffers that keep their size between calls, so a step's 30 layers do not each map and fault in
+// fresh pages.
 template <typename KV>
 void stage_requests(const Args& a, int64_t R, int64_t max_query_len, const KV* kc, const KV* vc, Staged& st) {
   thread_local std::vector<c10::BFloat16> kbuf, vbuf;
   thread_local std::vector<int64_t> table;
+  int64_t r0 = 0;
+  while (r0 < R && !wants_staging(a, a.qs[r0 + 1] - a.qs[r0], max_query_len)) ++r0;
+  if (r0 == R) return;
   st.on.assign(R, 0);
   std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, block index in its table)
   table.assign(R * a.MB, 0);
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = r0; r < R; ++r) {
     if (!wants_staging(a, a.qs[r + 1] - a.qs[r], max_query_len)) continue;
     st.on[r] = 1;
     for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
@@ -289,7 +295,6 @@ void stage_requests(const Args& a, int64_t R, int64_t max_query_len, const KV* k
       blocks.emplace_back(r, b);
     }
   }
-  if (blocks.empty()) return;
   const int64_t per = a.B * a.D, n = static_cast<int64_t>(blocks.size()) * a.Hkv * per;
   if (static_cast<int64_t>(kbuf.size()) < n) kbuf.resize(n), vbuf.resize(n);
   // (the workers must not name the thread_locals: each would see its own, empty)

@@ -59,6 +59,9 @@ def linears(ops) -> None:
         paths["streaming"] = CPUKernels(gemv=have.gemv)
     if ops.fma_linear_supported():  # the FMA tile kernel (AVX-512 CPUs without AMX; runs on AMX CPUs too)
         paths["fma"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default)
+        if ops.fma_linear_fp16_supported():  # on an fp16 weight, fp16 partial sums (reduced_precision_reduction)
+            paths["fma_fp16"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default,
+                                           fma_fp16=True)
     paths["onednn_packed"] = CPUKernels(onednn_packing=True)
     layers = {name: [[CPULinear(w, None, k) for w in ws] for ws in weights] for name, k in paths.items() if k}
     for rows in (1, 4, 64, 256, 512, 1024, 2048):

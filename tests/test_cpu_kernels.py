@@ -110,26 +110,39 @@ def test_small_m_linear_matches_fp32_matmul(rows, k, n, bias):
 
 
 def tile_kernel(name: str):
-    """(linear, linear_silu_mul) of a kernel on the B-tile-packed weight: "amx" (AMX tiles) or "fma" (AVX-512 fp32
-    FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there)."""
-    if not getattr(ops, f"{name}_linear_supported")():
+    """(linear, linear_silu_mul, pack) of a kernel on the B-tile-packed weight: "amx" (AMX tiles), "fma" (AVX-512
+    fp32 FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there) or "fma16" (the FMA
+    kernel on an fp16 weight, AVX512-FP16). pack(w) -> (packed, the arguments after out)."""
+    from pagellm.model_executor.layers.linear import pack_amx, pack_fp16
+
+    op = "fma" if name == "fma16" else name
+    supported = ops.fma_linear_fp16_supported() if name == "fma16" else getattr(ops, f"{op}_linear_supported")()
+    if not supported:
         pytest.skip(f"this CPU lacks the instructions of the {name} kernel")
-    return getattr(ops, f"{name}_linear").default, getattr(ops, f"{name}_linear_silu_mul").default
+
+    def pack(w):
+        if name != "fma16":
+            return pack_amx(w), ()
+        packed, w_inv = pack_fp16(w)
+        return packed, (w_inv,)
+
+    return getattr(ops, f"{op}_linear").default, getattr(ops, f"{op}_linear_silu_mul").default, pack
 
 
-TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma"])
+TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma", "fma16"])
 
 
-@pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "gemv+onednn"])
+@pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "fma16+gemv", "gemv+onednn"])
 def test_cpu_linear_paths_agree_with_f_linear(kernels):
     from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels
 
     have = cpu_kernels(ops, torch.bfloat16)
     if kernels == "amx":
         k = CPUKernels(amx=tile_kernel("amx")[0])
-    elif kernels == "fma+gemv":
-        fma, fma_silu_mul = tile_kernel("fma")
-        k = CPUKernels(gemv=have.gemv if have else None, fma=fma, fma_silu_mul=fma_silu_mul)
+    elif kernels.startswith("fma"):
+        fma, fma_silu_mul, _ = tile_kernel(kernels.split("+")[0])
+        k = CPUKernels(gemv=have.gemv if have else None, fma=fma, fma_silu_mul=fma_silu_mul,
+                       fma_fp16=kernels.startswith("fma16"))
     else:
         k = CPUKernels(gemv=have.gemv if have else None, onednn_packing=True)
     torch.manual_seed(5)
@@ -146,14 +159,13 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
 @TILE_KERNELS
 @pytest.mark.parametrize("rows", [1, 11, 15, 16, 17, 33, 64, 65, 97, 130, 257, 520])  # row tiles and micro-blocks,
 def test_tile_linear_matches_fp32_matmul(tile, rows):  # blocks, chunks, tails
-    from pagellm.model_executor.layers.linear import pack_amx
-
-    linear, _ = tile_kernel(tile)
+    linear, _, pack = tile_kernel(tile)
     torch.manual_seed(6)
     x = torch.randn(rows, 640).bfloat16()[:, 32:608]  # rows strided, as a slice of a wider tensor
     w, b = torch.randn(200, 576).bfloat16(), torch.randn(200).bfloat16()  # 13 column tiles, the last half full
     out = torch.empty(rows, 200, dtype=torch.bfloat16)
-    linear(x, pack_amx(w), b, out)
+    packed, extra = pack(w)
+    linear(x, packed, b, out, *extra)
     want = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
@@ -163,17 +175,15 @@ def test_tile_linear_matches_fp32_matmul(tile, rows):  # blocks, chunks, tails
 def test_tile_linear_is_the_same_on_any_thread_count(tile, rows):
     # threads claim blocks from both ends of the work (several threads per end from 3 on): every output block
     # must be computed exactly once, whoever computes it
-    from pagellm.model_executor.layers.linear import pack_amx
-
-    linear, _ = tile_kernel(tile)
+    linear, _, pack = tile_kernel(tile)
     torch.manual_seed(7)
     x, w = torch.randn(rows, 576).bfloat16(), torch.randn(1000, 576).bfloat16()
-    packed, threads, outs = pack_amx(w), torch.get_num_threads(), []
+    (packed, extra), threads, outs = pack(w), torch.get_num_threads(), []
     try:
         for n in (1, 2, 3, 5):
             torch.set_num_threads(n)
             out = torch.full((rows, 1000), float("nan"), dtype=torch.bfloat16)
-            linear(x, packed, None, out)
+            linear(x, packed, None, out, *extra)
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
@@ -185,18 +195,16 @@ def test_tile_linear_is_the_same_on_any_thread_count(tile, rows):
 def test_tile_linear_takes_each_calls_own_x(tile):
     # the FMA kernel's threads keep their fp32 copy of x's rows from one claim to the next within a call: it must
     # never carry over into the next call (same shapes, new x, the same scratch)
-    from pagellm.model_executor.layers.linear import pack_amx
-
-    linear, _ = tile_kernel(tile)
+    linear, _, pack = tile_kernel(tile)
     torch.manual_seed(8)
     w = torch.randn(1000, 576).bfloat16()
-    packed, threads = pack_amx(w), torch.get_num_threads()
+    (packed, extra), threads = pack(w), torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         for rows in (64, 64, 200, 200, 64):
             x = torch.randn(rows, 576).bfloat16()
             out = torch.empty(rows, 1000, dtype=torch.bfloat16)
-            linear(x, packed, None, out)
+            linear(x, packed, None, out, *extra)
             want = F.linear(x.float(), w.float())
             torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     finally:
@@ -209,22 +217,22 @@ def test_tile_linear_silu_mul_is_the_two_steps_bit_for_bit(tile, rows, inter):
     # the product in the GEMM's epilogue must give exactly what the linear into gate_up and silu_and_mul give
     # (the C++ decoder takes one, the Python loop on other paths the other); 80: a last block of one 16-column
     # panel; out strided, as the decoder's padded activation buffer
-    from pagellm.model_executor.layers.linear import pack_amx
-
-    linear, silu_mul = tile_kernel(tile)
+    linear, silu_mul, pack = tile_kernel(tile)
     torch.manual_seed(8)
     x = torch.randn(rows, 608).bfloat16()[:, :576]
     w, b = (torch.randn(2 * inter, 576) * 0.1).bfloat16(), torch.randn(2 * inter).bfloat16()
+    packed, extra = pack(w)
     for bias in (None, b):
         gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
-        linear(x, pack_amx(w), bias, gate_up)
+        linear(x, packed, bias, gate_up, *extra)
         want = torch.empty(rows, inter, dtype=torch.bfloat16)
         ops.silu_and_mul(gate_up, want)
         got = torch.full((rows, inter + 32), float("nan"), dtype=torch.bfloat16)[:, :inter]
-        silu_mul(x, pack_amx(w), bias, got)
+        silu_mul(x, packed, bias, got, *extra)
         assert torch.equal(got, want)
+    packed, extra = pack(w[:40])
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        silu_mul(x, pack_amx(w[:40]), None, torch.empty(rows, 20, dtype=torch.bfloat16))
+        silu_mul(x, packed, None, torch.empty(rows, 20, dtype=torch.bfloat16), *extra)
 
 
 @TILE_KERNELS
@@ -237,12 +245,13 @@ def test_mlp_takes_the_fused_gate_up(tile):
     from pagellm.model_executor.layers.linear import CPUKernels, replace_linears
     from pagellm.model_executor.models.llama import MLP
 
-    linear, fused = tile_kernel(tile)
+    linear, fused, _ = tile_kernel(tile)
     torch.manual_seed(9)
     mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=True), ops).bfloat16()
     calls = []
     spy = lambda *a: calls.append(fused(*a))  # noqa: E731
-    kernels = CPUKernels(amx=linear, amx_silu_mul=spy) if tile == "amx" else CPUKernels(fma=linear, fma_silu_mul=spy)
+    kernels = (CPUKernels(amx=linear, amx_silu_mul=spy) if tile == "amx"
+               else CPUKernels(fma=linear, fma_silu_mul=spy, fma_fp16=tile == "fma16"))
     replace_linears(mlp, kernels)
     x = torch.randn(40, 64).bfloat16()
     got = mlp(x)

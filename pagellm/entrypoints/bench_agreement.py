@@ -69,7 +69,7 @@ def cmd_agreement(a: argparse.Namespace) -> None:
     sys.stdout.write(json.dumps({
         "engine": "pagellm", "mode": "teacher_forced_agreement", "reference_dtype": "float32",
         "dtype": str(engine.config.torch_dtype).replace("torch.", ""), "kv_cache_dtype": engine.config.kv_cache_dtype,
-        "prompts": len(prompts),
+        "linears": engine.model.linear_kernels, "prompts": len(prompts),
         "positions": total, "top1_agreement": round(agree, 4),
         "min_prompt_agreement": round(min(per_prompt), 4)}) + "\n")
 

@@ -18,6 +18,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache element type: auto (the model's) or 8-bit float (half the bytes per token)")
+    p.add_argument("--no-reduced-precision-reduction", dest="reduced_precision_reduction", action="store_false",
+                   help="bf16 linears sum in fp32 only (by default, on AVX512-FP16 CPUs without AMX, partial sums of "
+                        "32 products run in fp16)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
     p.add_argument("--seed", type=int, default=0)
@@ -29,7 +32,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
-                preemption_mode=a.preemption_mode, swap_space=a.swap_space, seed=a.seed)
+                reduced_precision_reduction=a.reduced_precision_reduction, preemption_mode=a.preemption_mode, swap_space=a.swap_space, seed=a.seed)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:

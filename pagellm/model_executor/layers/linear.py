@@ -29,12 +29,15 @@ half the flops of fp32 FMAs there, see fma_linear_cpu.cpp), the same benchmark:
   stream   10.0   12.8      -      -      -      -      -
   oneDNN   15.2   17.2  103.2      -      -      -      -
 so there the streaming kernel takes up to 4 rows and the FMA kernel the rest (prefill chunks included: 1.6x
-oneDNN's GEMM). fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
+oneDNN's GEMM). Where the CPU also has AVX512-FP16 (that VM does), the FMA kernel's packed copy is fp16 instead
+(``pack_fp16``, with ``reduced_precision_reduction``, the default): fp16 FMAs do twice the work of fp32 ones per
+instruction, with each fp16 lane summing 32 products before they join an fp32 sum (see fma_linear_cpu.cpp). fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
 fp32 greedy tokens stay exactly the reference's.
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,6 +62,14 @@ class CPUKernels:
     onednn_packing: bool = False
     fma: Callable | None = None  # torch.ops.pagellm.fma_linear (AVX-512 without AMX)
     fma_silu_mul: Callable | None = None  # torch.ops.pagellm.fma_linear_silu_mul (with fma)
+    fma_fp16: bool = False  # the FMA kernel on an fp16 copy of the weight (pack_fp16): AVX512-FP16
+
+    @property
+    def name(self) -> str:
+        """The kernels for bf16 decode and prefill, e.g. "gemv+fma_fp16" (benchmark reports)."""
+        tile = "amx" if self.amx else ("fma_fp16" if self.fma_fp16 else "fma") if self.fma else None
+        return "+".join(n for n in ("gemv" if self.gemv else None, tile,
+                                    "onednn_packed" if self.onednn_packing else None) if n) or "torch"
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -79,6 +90,15 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The FMA kernel's fp16 weight: ``pack_amx`` of weight x 2^-e in fp16, the power of two putting the largest
+    |value| in [0.5, 1) (exact for bf16 values from 2^-14 of the largest up, so no overflow and little underflow),
+    and 2^e, by which the kernel scales its result back. -> (packed, 2^e)."""
+    top = weight.detach().abs().max().item() if weight.numel() else 0.0
+    e = min(max(math.frexp(top)[1], -126), 126) if 0.0 < top < math.inf else 0
+    return pack_amx((weight.detach().float() * 2.0 ** -e).half()), 2.0 ** e
+
+
 class CPULinear(nn.Module):
     """y = x @ weight.T + bias, by the fastest path for x's number of rows. Holds the plain weight (shared with
     the model's parameter, not copied) and one pre-packed form of it."""
@@ -93,7 +113,13 @@ class CPULinear(nn.Module):
         self.tiled = self.amx or self.fma
         self.tiled_silu_mul = (kernels.amx_silu_mul if self.amx else kernels.fma_silu_mul) if self.tiled else None
         self.tiled_min_rows = 1 if self.amx is not None else GEMV_MAX_ROWS + 1 if kernels.gemv is not None else 1
-        self.amx_weight = pack_amx(weight) if self.tiled is not None else None  # B-tile order, for either kernel
+        # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
+        self.w_inv = 1.0
+        if self.fma is not None and kernels.fma_fp16:
+            self.amx_weight, self.w_inv = pack_fp16(weight)
+        else:
+            self.amx_weight = pack_amx(weight) if self.tiled is not None else None
+        self.tiled_args = (self.w_inv,) if self.fma is not None else ()  # the FMA kernel's scale argument
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
 
@@ -102,7 +128,7 @@ class CPULinear(nn.Module):
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
-                self.tiled(x, self.amx_weight, self.bias, out)
+                self.tiled(x, self.amx_weight, self.bias, out, *self.tiled_args)
                 return out
             if self.gemv is not None and rows <= GEMV_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -122,7 +148,7 @@ class CPULinear(nn.Module):
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
             return None
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        self.tiled_silu_mul(x, self.amx_weight, self.bias, out)
+        self.tiled_silu_mul(x, self.amx_weight, self.bias, out, *self.tiled_args)
         return out
 
 
@@ -140,22 +166,25 @@ def _onednn_packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def cpu_kernels(ops, dtype: torch.dtype) -> CPUKernels | None:
-    """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32)."""
+def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = True) -> CPUKernels | None:
+    """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32).
+    reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = gemv = fma = fma_silu_mul = None
+    fma_fp16 = False
     if dtype == torch.bfloat16:
         try:
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
             elif ops.fma_linear_supported():
                 fma, fma_silu_mul = ops.fma_linear.default, ops.fma_linear_silu_mul.default
+                fma_fp16 = reduced_precision_reduction and ops.fma_linear_fp16_supported()
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -17,8 +17,10 @@ MODEL_CLASSES = {
 
 
 def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device, backend: AttentionBackend, max_position: int) -> LlamaForCausalLM:
-    """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights."""
+                device: torch.device, backend: AttentionBackend, max_position: int,
+                reduced_precision_reduction: bool = True) -> LlamaForCausalLM:
+    """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights.
+    reduced_precision_reduction: see EngineConfig."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
     old = torch.get_default_dtype()
@@ -31,7 +33,7 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     model.to_empty(device=device)
     model.rotary.build_tables(device)
     model.load_weights(weights)
-    kernels = cpu_kernels(backend.ops, dtype) if device.type == "cpu" else None
+    kernels = cpu_kernels(backend.ops, dtype, reduced_precision_reduction) if device.type == "cpu" else None
     if kernels is not None:
         model.use_cpu_kernels(kernels)
     return model.eval()

@@ -177,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.supports_cascade = backend.supports_cascade
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.fast_lm_head: CPULinear | None = None
+        self.linear_kernels = "torch"  # which linear kernels run (CPUKernels.name), for benchmark reports
         self.backend = backend
         # The layer stack as one C++ call (csrc/decoder_cpu.cpp), set by use_cpu_kernels where it applies.
         self.decoder = None
@@ -223,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
+        self.linear_kernels = kernels.name
         self.decoder = self._build_decoder()
 
     def _build_decoder(self):
@@ -242,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
                 tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias]
-            decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0)
+            decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0,
+                              [lin.w_inv for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)])
         return decoder
 
     @torch.no_grad()

@@ -34,8 +34,9 @@ namespace {
 #define PAGELLM_RANGE(name) RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{})
 
 struct Linear {
-  at::Tensor packed, weight;  // AMX B-tile order (layers/linear.py: pack_amx), and plain [N, K]
+  at::Tensor packed, weight;  // AMX B-tile order (layers/linear.py: pack_amx, or pack_fp16), and plain [N, K]
   c10::optional<at::Tensor> bias;
+  double w_inv = 1.0;  // an fp16 packed weight's scale (pack_fp16), for the FMA kernel
 };
 
 struct Layer {
@@ -56,11 +57,15 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   // weights: input_norm, post_norm, then (packed, plain, bias) for qkv, o, gate_up, down; an empty bias: none.
-  void add_layer(std::vector<at::Tensor> w, int64_t window) {
-    TORCH_CHECK(w.size() == 14, "add_layer: 14 tensors, got ", w.size());
-    for (const auto& t : w) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "LlamaDecoder: bfloat16 weights only");
+  // w_inv: the four packed weights' scales (1 but for the FMA kernel's fp16 copies, which it needs AVX512-FP16 for).
+  void add_layer(std::vector<at::Tensor> w, int64_t window, std::vector<double> w_inv) {
+    TORCH_CHECK(w.size() == 14 && w_inv.size() == 4, "add_layer: 14 tensors and 4 scales, got ", w.size(), ", ",
+                w_inv.size());
+    for (size_t i = 0; i < w.size(); ++i)
+      TORCH_CHECK(w[i].scalar_type() == at::kBFloat16 || (i % 3 == 2 && !amx_ && w[i].scalar_type() == at::kHalf),
+                  "LlamaDecoder: bfloat16 weights only (the FMA kernel's packed copies may be fp16)");
     auto linear = [&](size_t i) {
-      Linear l{w[i], w[i + 1], c10::nullopt};
+      Linear l{w[i], w[i + 1], c10::nullopt, w_inv[(i - 2) / 3]};
       if (w[i + 2].numel() > 0) l.bias = w[i + 2];
       return l;
     };
@@ -195,7 +200,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       amx_linear(x, l.packed, l.bias, out);
     } else if (x.size(0) <= amx_max_rows_) {
       PAGELLM_RANGE("pagellm::fma_linear");
-      fma_linear(x, l.packed, l.bias, out);
+      fma_linear(x, l.packed, l.bias, out, l.w_inv);
     } else if (l.bias.has_value()) {
       at::addmm_out(out, *l.bias, x, l.weight.t());
     } else {
@@ -216,7 +221,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
         amx_linear_silu_mul(h, l.packed, l.bias, act);
       } else {
         PAGELLM_RANGE("pagellm::fma_linear_silu_mul");
-        fma_linear_silu_mul(h, l.packed, l.bias, act);
+        fma_linear_silu_mul(h, l.packed, l.bias, act, l.w_inv);
       }
       return;
     }

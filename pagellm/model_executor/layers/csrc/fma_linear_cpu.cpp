@@ -16,12 +16,29 @@
 // Work items are (row chunk, 32-column block), claimed from both ends as in the AMX kernel (split_work.h); a
 // thread converts a row chunk when it first meets it, and runs every micro-block of it against the block's two
 // panels, which stay in L1/L2 after the first.
+//
+// fp16 sums (EngineConfig.reduced_precision_reduction, CPUs with AVX512-FP16): the packed weight is fp16 instead
+// (layers/linear.py: pack_fp16), and one VFMADD231PH does 32 lanes' products and sums, twice an fp32 FMA's work at
+// the same rate (2 a cycle per core here, 363 GFLOP/s on one core against 167). x becomes fp16 pairs [K/2][kMR],
+// each 32-bit pair (x_k, x_k+1) broadcast against a panel row (column n at k and k+1 in lane pair n), so no
+// conversion of the weight at all. The catch is fp16's range and 11-bit precision, so:
+//   - both operands are scaled by powers of two (exact): w per matrix to a largest |value| in [0.5, 1), each x row
+//     to one in [256, 512); a product is then below 512 and a lane's sum of 32 below 2^14, for any input;
+//   - each lane sums 32 products (2 steps of 32 k) in fp16, then the sums join fp32 accumulators, so the rounding
+//     error is that of 32-term fp16 sums, not of K-term ones;
+//   - the inputs lose nothing that counts: bf16's 8-bit significands fit fp16's 11; only values over 2^13 (w) or
+//     2^22 (x) times smaller than their matrix's / row's largest fall below fp16's normal range, and round to a
+//     multiple of 2^-25 of that largest.
+// SmolLM2's shapes: ~1.6x the fp32 path's speed; the mean error against fp64 1.6e-3 of the mean |y| against
+// 1.4e-3 (both mostly the bf16 rounding of y); teacher-forced top-1 agreement with fp32 on workload_16 0.9956
+// against 0.9951 (tests/test_fp16_linear.py, docs/performance.md).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -37,55 +54,93 @@ using bf16 = c10::BFloat16;
 constexpr int kMR = 12;                 // rows per micro-block: 12 x 2 accumulators + 4 weight registers
 constexpr int64_t kRowChunk = kMR * 8;  // rows per work item; its fp32 copy (<= 590 KB at K = 1,536) stays in L2
 
+#if defined(__AVX512FP16__)
+constexpr bool kHasFp16 = true;
+#else
+constexpr bool kHasFp16 = false;
+#endif
+// fp16 sums (see the file comment): x rows scaled by a power of two to a largest |value| in [256, 512), weights
+// to one in [0.5, 1), so kFlushSteps x 16 products per lane stay below 2^14 (fp16's largest: 65,504).
+constexpr int kFlushSteps = 2;  // 32-deep steps between flushes of the fp16 accumulators into fp32
+constexpr int kRowExp = 9;      // a row's largest |x| times 2^(kRowExp - its exponent) lies in [256, 512)
+
 struct Gemm {
   const bf16* x;
   int64_t lda, M, K;
-  const bf16* bp;   // packed w
-  int64_t N;        // y's columns
-  int64_t up_tile;  // silu_mul: up's first 16-column panel; 0: plain
+  const uint16_t* bp;  // packed w: bf16, or fp16 times 1 / w_inv (half)
+  bool half;
+  float w_inv;       // half: the weight's scale
+  int64_t N;         // y's columns
+  int64_t up_tile;   // silu_mul: up's first 16-column panel; 0: plain
   const bf16* bias;
   bf16* y;
   int64_t ldy;
-  int64_t blocks;   // work items per row chunk
+  int64_t blocks;    // work items per row chunk
 };
 
 // A row chunk of `rows` rows splits into ceil(rows / kMR) micro-blocks of near-equal size (64 rows: 11, 11, 11,
 // 11, 10, 10 rather than five of 12 and one of 4, which would load and convert the weights for 4 rows' FMAs).
 inline int64_t micro_blocks(int64_t rows) { return (rows + kMR - 1) / kMR; }
 inline int64_t micro_start(int64_t rows, int64_t i) { return rows * i / micro_blocks(rows); }
+// A micro-block's converted x, in floats: fp32 [K/2][kMR][2]; half: fp16 pairs [K/2][kMR] then kMR row factors.
+template <bool kHalf>
+inline int64_t block_floats(int64_t K) { return kHalf ? kMR * (K / 2 + 1) : kMR * K; }
 
-// Rows [m0, m0 + rows) of x into a: micro-block i at a + i * kMR * K, [K/2][kMR][2] fp32 (its first rows).
+// Rows [m0, m0 + rows) of x into a: micro-block i at a + i * block_floats(K) (its first rows).
+template <bool kHalf>
 void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
   const int64_t K = g.K;
   for (int64_t i = 0; i < micro_blocks(rows); ++i) {
-    float* dst = a + i * kMR * K;
+    float* dst = a + i * block_floats<kHalf>(K);
     const int64_t r0 = micro_start(rows, i), n = micro_start(rows, i + 1) - r0;
-    // k outer, rows inner: the rows' 8 k-pairs at k fill one 768-byte stretch of a before the next k (row by row,
-    // each row's stores swept the micro-block's whole stretch, larger than L1, at a 96-byte stride)
     const bf16* src0 = g.x + (m0 + r0) * g.lda;
-    for (int64_t k = 0; k < K; k += 16)
-      for (int64_t m = 0; m < n; ++m) {  // 16 values, 8 k-pairs: one 64-bit store each, kMR pairs apart
-        const __m512 v = load16(src0 + m * g.lda + k);
-        double* d = reinterpret_cast<double*>(dst) + k / 2 * kMR + m;
-        PAGELLM_UNROLL for (int j = 0; j < 4; ++j) {
-          const __m128d lane = _mm_castps_pd(_mm512_extractf32x4_ps(v, j));
-          _mm_storel_pd(d + 2 * j * kMR, lane);
-          _mm_storeh_pd(d + (2 * j + 1) * kMR, lane);
-        }
+    if constexpr (kHalf) {
+      float scale[kMR], *row_inv = dst + kMR * K / 2;
+      for (int64_t m = 0; m < n; ++m) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(src0 + m * g.lda + k)));
+        const float top = _mm512_reduce_max_ps(mx);
+        int e = 0;
+        if (top > 0.f && std::isfinite(top)) std::frexp(top, &e);  // top = f 2^e, f in [0.5, 1)
+        const int s = top > 0.f && std::isfinite(top) ? std::clamp(kRowExp - e, -126, 126) : 0;
+        scale[m] = std::ldexp(1.f, s), row_inv[m] = std::ldexp(1.f, -s);
       }
+      // k outer, rows inner (as below); a row's 8 pairs at k go kMR words apart
+      const __m256i pair_at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(kMR));
+      int* d = reinterpret_cast<int*>(dst);
+      for (int64_t k = 0; k < K; k += 16)
+        for (int64_t m = 0; m < n; ++m) {
+          const __m256i h = _mm512_cvtps_ph(_mm512_mul_ps(load16(src0 + m * g.lda + k), _mm512_set1_ps(scale[m])),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          _mm256_i32scatter_epi32(d + k / 2 * kMR + m, pair_at, h, 4);
+        }
+    } else {
+      // k outer, rows inner: the rows' 8 k-pairs at k fill one 768-byte stretch of a before the next k (row by
+      // row, each row's stores swept the micro-block's whole stretch, larger than L1, at a 96-byte stride)
+      for (int64_t k = 0; k < K; k += 16)
+        for (int64_t m = 0; m < n; ++m) {  // 16 values, 8 k-pairs: one 64-bit store each, kMR pairs apart
+          const __m512 v = load16(src0 + m * g.lda + k);
+          double* d = reinterpret_cast<double*>(dst) + k / 2 * kMR + m;
+          PAGELLM_UNROLL for (int j = 0; j < 4; ++j) {
+            const __m128d lane = _mm_castps_pd(_mm512_extractf32x4_ps(v, j));
+            _mm_storel_pd(d + 2 * j * kMR, lane);
+            _mm_storeh_pd(d + (2 * j + 1) * kMR, lane);
+          }
+        }
+    }
   }
 }
 
-// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed panels; out: [R][NP].
+// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed bf16 panels; out: [R][NP].
 template <int R, int NP>
-inline void micro(const float* a, const bf16* const* b, int64_t kc_n, __m512 (&out)[kMR][2]) {
+PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, float, __m512 (&out)[kMR][2]) {
   __m512 acc[R][NP];
   PAGELLM_UNROLL for (int m = 0; m < R; ++m)
     PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t kc = 0; kc < kc_n; ++kc) {
     const float* ak = a + kc * 16 * kMR * 2;
-    const bf16* bk[NP];
+    const uint16_t* bk[NP];
     PAGELLM_UNROLL for (int p = 0; p < NP; ++p) bk[p] = b[p] + kc * 512;
     for (int r = 0; r < 16; ++r) {  // k-pair r of this 32-deep step
       __m512 we[NP], wo[NP];  // the panels' 16 columns at k even and k odd, as fp32
@@ -107,6 +162,64 @@ inline void micro(const float* a, const bf16* const* b, int64_t kc_n, __m512 (&o
   PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) out[m][p] = acc[m][p];
 }
 
+#if defined(__AVX512FP16__)
+// The same on fp16: a, a micro-block's fp16 pairs [K/2][kMR] and row factors; b[p]: NP packed fp16 panels. A
+// 32-bit lane n of a weight vector holds column n at k even and k odd, times the broadcast pair (x_k, x_k+1):
+// each fp16 lane sums its own parity's products for kFlushSteps steps, then adds into fp32 (lo: columns 0-7,
+// hi: 8-15, parities interleaved); the parities are summed and the scales undone once at the end.
+template <int R, int NP>
+PAGELLM_INLINE void micro_half(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
+                               __m512 (&out)[kMR][2]) {
+  const int* pairs = reinterpret_cast<const int*>(a);
+  const float* row_inv = a + kc_n * 16 * kMR;
+  __m512h acc[R][NP];
+  __m512 lo[R][NP], hi[R][NP];
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
+    acc[m][p] = _mm512_setzero_ph();
+    lo[m][p] = hi[m][p] = _mm512_setzero_ps();
+  }
+  for (int64_t kc = 0; kc < kc_n; ++kc) {
+    const int* ak = pairs + kc * 16 * kMR;
+    const uint16_t* bk[NP];
+    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) bk[p] = b[p] + kc * 512;
+    for (int r = 0; r < 16; ++r) {
+      __m512h w[NP];
+      PAGELLM_UNROLL for (int p = 0; p < NP; ++p) w[p] = _mm512_castsi512_ph(_mm512_loadu_si512(bk[p] + r * 32));
+      const int* ar = ak + r * kMR;
+      PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
+        const __m512h xv = _mm512_castsi512_ph(_mm512_set1_epi32(ar[m]));
+        PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ph(xv, w[p], acc[m][p]);
+      }
+    }
+    if ((kc + 1) % kFlushSteps == 0 || kc + 1 == kc_n) {
+      PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_castph_si512(acc[m][p]);
+        lo[m][p] = _mm512_add_ps(lo[m][p], _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
+        hi[m][p] = _mm512_add_ps(hi[m][p], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
+        acc[m][p] = _mm512_setzero_ph();
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
+    const __m512 f = _mm512_set1_ps(row_inv[m] * w_inv);  // powers of two: exact
+    PAGELLM_UNROLL for (int p = 0; p < NP; ++p)
+      out[m][p] = _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo[m][p], even, hi[m][p]),
+                                              _mm512_permutex2var_ps(lo[m][p], odd, hi[m][p])), f);
+  }
+}
+#endif
+
+template <bool kHalf, int R, int NP>
+PAGELLM_INLINE void multiply(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
+                             __m512 (&out)[kMR][2]) {
+#if defined(__AVX512FP16__)
+  if constexpr (kHalf) return micro_half<R, NP>(a, b, kc_n, w_inv, out);
+#endif
+  micro<R, NP>(a, b, kc_n, w_inv, out);
+}
+
 // bf16 of v (+ bias[0..16)) into y's 16 columns, the first `cols` of them.
 inline void store_cols(bf16* y, __m512 v, const bf16* bias, int64_t cols) {
   if (bias) v = _mm512_add_ps(v, cols >= 16 ? load16(bias) : _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -116,13 +229,13 @@ inline void store_cols(bf16* y, __m512 v, const bf16* bias, int64_t cols) {
 }
 
 // One micro-block's R rows at y's rows m0.. and its 32-column block nb: multiplies, then the epilogue.
-template <int R>
+template <bool kHalf, int R>
 void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
   const int64_t panel = g.K / 32 * 512, tiles_n = (g.N + 15) / 16;
   __m512 acc[kMR][2];
   if (g.up_tile > 0) {  // silu_mul: 16 columns, gate's panel and up's
-    const bf16* b[2] = {g.bp + nb * panel, g.bp + (nb + g.up_tile) * panel};
-    micro<R, 2>(a, b, g.K / 32, acc);
+    const uint16_t* b[2] = {g.bp + nb * panel, g.bp + (nb + g.up_tile) * panel};
+    multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc);
     const int64_t n0 = nb * 16;
     for (int m = 0; m < R; ++m) {
       bf16* ym = g.y + (m0 + m) * g.ldy + n0;
@@ -134,9 +247,9 @@ void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
     return;
   }
   const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
-  const bf16* b[2] = {g.bp + t0 * panel, g.bp + (t0 + nt - 1) * panel};
-  if (nt == 2) micro<R, 2>(a, b, g.K / 32, acc);
-  else micro<R, 1>(a, b, g.K / 32, acc);
+  const uint16_t* b[2] = {g.bp + t0 * panel, g.bp + (t0 + nt - 1) * panel};
+  if (nt == 2) multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc);
+  else multiply<kHalf, R, 1>(a, b, g.K / 32, g.w_inv, acc);
   for (int m = 0; m < R; ++m) {
     bf16* ym = g.y + (m0 + m) * g.ldy + n0;
     for (int p = 0; p < nt; ++p)
@@ -145,32 +258,35 @@ void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
   }
 }
 
-template <int... Rs>
+template <bool kHalf, int... Rs>
 void micro_block_rows(int rows, const Gemm& g, const float* a, int64_t m0, int64_t nb,
                       std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? micro_block<Rs + 1>(g, a, m0, nb) : void()), ...);
+  ((rows == Rs + 1 ? micro_block<kHalf, Rs + 1>(g, a, m0, nb) : void()), ...);
 }
 
 // Work items u = (row chunk u / blocks, column block u % blocks), [lo, hi) in the given direction.
+template <bool kHalf>
 void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, std::vector<float>& a, int64_t& a_chunk) {
   for (int64_t k = 0; k < hi - lo; ++k) {
     const int64_t u = ascending ? lo + k : hi - 1 - k;
     const int64_t chunk = u / g.blocks, nb = u % g.blocks;
     const int64_t m0 = chunk * kRowChunk, rows = std::min(kRowChunk, g.M - m0);
-    if (chunk != a_chunk) convert_rows(g, m0, rows, a.data()), a_chunk = chunk;
+    if (chunk != a_chunk) convert_rows<kHalf>(g, m0, rows, a.data()), a_chunk = chunk;
     const int64_t n_mb = micro_blocks(rows);
     for (int64_t i = 0; i < n_mb; ++i) {
       const int64_t r0 = micro_start(rows, i);
-      micro_block_rows(static_cast<int>(micro_start(rows, i + 1) - r0), g, a.data() + i * kMR * g.K, m0 + r0, nb,
-                       std::make_integer_sequence<int, kMR>{});
+      micro_block_rows<kHalf>(static_cast<int>(micro_start(rows, i + 1) - r0), g,
+                              a.data() + i * block_floats<kHalf>(g.K), m0 + r0, nb,
+                              std::make_integer_sequence<int, kMR>{});
     }
   }
 }
 
+template <bool kHalf>
 void run(Gemm g) {
   const int64_t chunks = (g.M + kRowChunk - 1) / kRowChunk;
   g.blocks = g.up_tile > 0 ? g.N / 16 : (g.N + 31) / 32;
-  const int64_t scratch = micro_blocks(std::min(kRowChunk, g.M)) * kMR * g.K;
+  const int64_t scratch = micro_blocks(std::min(kRowChunk, g.M)) * block_floats<kHalf>(g.K);
   // A thread's fp32 copy of a row chunk outlives its claim: a thread makes several claims per call (each a
   // shrinking share of what is left), and converting the chunk again at each one cost ~20% of a 64-row call
   // (4-5 claims of 18 column blocks). The call's number tells a thread whether its copy is of this call's x.
@@ -184,22 +300,34 @@ void run(Gemm g) {
       a_call = call, a_chunk = -1;
       if (static_cast<int64_t>(a.size()) < scratch) a.resize(scratch);
     }
-    items(g, lo, hi, ascending, a, a_chunk);
+    items<kHalf>(g, lo, hi, ascending, a, a_chunk);
   });
+}
+
+void run(const Gemm& g) {
+  if constexpr (kHasFp16)
+    if (g.half) return run<true>(g);
+  run<false>(g);
 }
 #endif
 
-// Checks the operands (tile_linear.h).
+// Checks the operands (tile_linear.h); a packed fp16 weight needs AVX512-FP16.
 void check(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-           const at::Tensor& out, int64_t w_cols) {
-  check_tile_linear(fma_linear_supported(), "fma_linear needs AVX-512", x, packed, bias, out, w_cols);
+           const at::Tensor& out, int64_t w_cols, double w_inv) {
+  const bool half = packed.scalar_type() == at::kHalf;
+  if (half) TORCH_CHECK(fma_linear_fp16_supported(), "fma_linear on an fp16 weight needs AVX512-FP16");
+  check_tile_linear(fma_linear_supported(), "fma_linear needs AVX-512", x, packed, bias, out, w_cols, half);
+  TORCH_CHECK(w_inv > 0 && std::isfinite(w_inv), "fma_linear: w_inv must be a positive number, got ", w_inv);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out,
+              double w_inv) {
   const bool has_bias = bias.has_value() && bias->defined();
-  return Gemm{x.data_ptr<bf16>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<bf16>(), out.size(1), 0,
-              has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), 0};
+  return Gemm{x.data_ptr<bf16>(), x.stride(0), x.size(0), x.size(1),
+              reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.scalar_type() == at::kHalf,
+              static_cast<float>(w_inv), out.size(1), 0, has_bias ? bias->data_ptr<bf16>() : nullptr,
+              out.data_ptr<bf16>(), out.stride(0), 0};
 }
 #endif
 }  // namespace
@@ -212,32 +340,37 @@ bool fma_linear_supported() {
 #endif
 }
 
-// packed: [ceil(N/16), K/32, 16, 16, 2] bf16 (amx_linear_cpu.cpp); x [M, K] with K % 32 == 0.
-void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out) {
-  check(x, packed, bias, out, out.size(1));
+bool fma_linear_fp16_supported() { return fma_linear_supported() && kHasFp16; }
+
+// packed: [ceil(N/16), K/32, 16, 16, 2] (amx_linear_cpu.cpp), bf16, or fp16 holding w / w_inv (layers/linear.py:
+// pack_fp16, largest |value| below 1); x [M, K] with K % 32 == 0.
+void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out,
+                double w_inv) {
+  check(x, packed, bias, out, out.size(1), w_inv);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  run(operands(x, packed, bias, out));
+  run(operands(x, packed, bias, out, w_inv));
 #endif
 }
 
 // out [M, I] = silu(gate) * up with [gate | up] = x @ w^T (+ bias), w: 2I columns packed (I % 16 == 0); the same
 // bits as fma_linear into a bf16 gate_up and then silu_and_mul.
 void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         at::Tensor out) {
+                         at::Tensor out, double w_inv) {
   const int64_t I = out.size(1);
   TORCH_CHECK(I % 16 == 0, "fma_linear_silu_mul: the intermediate size (", I, ") must be a multiple of 16");
-  check(x, packed, bias, out, 2 * I);
+  check(x, packed, bias, out, 2 * I, w_inv);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  Gemm g = operands(x, packed, bias, out);
+  Gemm g = operands(x, packed, bias, out, w_inv);
   g.up_tile = I / 16;
   run(g);
 #endif
 }
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("fma_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("fma_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, float w_inv=1.0) -> ()");
   m.impl("fma_linear", c10::DispatchKey::CPU, &fma_linear);
-  m.def("fma_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("fma_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out, float w_inv=1.0) -> ()");
   m.impl("fma_linear_silu_mul", c10::DispatchKey::CPU, &fma_linear_silu_mul);
   m.def("fma_linear_supported() -> bool", [] { return fma_linear_supported(); });
+  m.def("fma_linear_fp16_supported() -> bool", [] { return fma_linear_fp16_supported(); });
 }

@@ -17,9 +17,11 @@ void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
 bool small_m_linear_supported();
 void small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor out);
 bool fma_linear_supported();
-void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out);
+bool fma_linear_fp16_supported();
+void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out,
+                double w_inv = 1.0);
 void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         at::Tensor out);
+                         at::Tensor out, double w_inv = 1.0);
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping);

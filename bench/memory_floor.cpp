@@ -5,7 +5,7 @@
 //      with and without software prefetch of the next chunk;
 //   2. AMX tile loads (16 rows x 64 bytes) by where the data lies (L1 / L2 / L3 / memory), alone and feeding the
 //      2 x 2 block of tile multiplies that the AMX linear kernel runs.
-// Build and run (Linux, a CPU with AMX-BF16; about a minute):
+// Build and run (Linux; part 2 needs a CPU with AMX-BF16; about a minute):
 //   g++ -O2 -march=native -fopenmp bench/memory_floor.cpp -o /tmp/memory_floor && /tmp/memory_floor
 #include <immintrin.h>
 #include <omp.h>
@@ -85,6 +85,9 @@ struct alignas(64) TileConfig {
 };
 
 void tile_loads() {
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+  std::printf("AMX: not available (-march=native on a CPU without AMX-BF16)\n");
+#else
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) {
     std::printf("AMX: not available\n");
     return;
@@ -128,6 +131,7 @@ void tile_loads() {
     std::free(buf);
   }
   _tile_release();
+#endif
 }
 
 }  // namespace

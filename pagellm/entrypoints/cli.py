@@ -32,7 +32,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
-                reduced_precision_reduction=a.reduced_precision_reduction, preemption_mode=a.preemption_mode, swap_space=a.swap_space, seed=a.seed)
+                reduced_precision_reduction=a.reduced_precision_reduction, preemption_mode=a.preemption_mode,
+                swap_space=a.swap_space, seed=a.seed)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:

@@ -31,8 +31,14 @@ half the flops of fp32 FMAs there, see fma_linear_cpu.cpp), the same benchmark:
 so there the streaming kernel takes up to 4 rows and the FMA kernel the rest (prefill chunks included: 1.6x
 oneDNN's GEMM). Where the CPU also has AVX512-FP16 (that VM does), the FMA kernel's packed copy is fp16 instead
 (``pack_fp16``, with ``reduced_precision_reduction``, the default): fp16 FMAs do twice the work of fp32 ones per
-instruction, with each fp16 lane summing 32 products before they join an fp32 sum (see fma_linear_cpu.cpp). fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so
-fp32 greedy tokens stay exactly the reference's.
+instruction, each fp16 lane summing 32 products before they join an fp32 sum (see fma_linear_cpu.cpp). The same
+benchmark on 2026-12-02 (another moment, compare within it):
+  rows        1      4     64    256    512   1024   2048
+  FMA      13.5   19.8   81.5  251.1  576.5  888.7 1979.8
+  FMA fp16 10.4   17.5   53.6  155.6  342.4  498.6 1158.7
+  stream   10.9   17.1      -      -      -      -      -
+fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
+the reference's.
 """
 from __future__ import annotations
 

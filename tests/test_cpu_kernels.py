@@ -289,3 +289,32 @@ def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
     out = torch.empty(6, dtype=torch.int64)
     ops.argmax_rows(x, out)
     assert out.tolist() == x.argmax(-1).tolist() == [out[0].item(), 5, 0, 999, 300, 17]
+
+
+def test_kernels_build_for_cpus_without_avx512_fp16_or_amx():
+    """The kernels are compiled with -march=native, so this machine's build says nothing about another CPU's: one
+    without AVX-512 (x86-64-v2) and one with AVX-512 but no AVX512-BF16/FP16 or AMX (skylake-avx512) must build
+    them too, their instruction-specific parts behind #if (a constant of the fp16 path once sat inside the
+    AVX-512 block and broke the first). Syntax only, both in parallel, in C++17 (~45 s; the build's C++20 makes
+    torch's headers take ~2.5x as long, and the sources are C++17)."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from pagellm.model_executor.layers import cpu_kernels
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    csrc = pathlib.Path(cpu_kernels.__file__).parent / "csrc"
+    sources = [str(csrc / s) for s in cpu_kernels._SOURCES]
+    procs = {arch: subprocess.Popen([cxx, "-std=c++17", "-w", "-fsyntax-only", f"-march={arch}", *includes, *sources],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for arch in ("x86-64-v2", "skylake-avx512")}
+    for arch, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"-march={arch}:\n{err[-3000:]}"

@@ -50,15 +50,16 @@ namespace {
 using namespace pagellm;
 using bf16 = c10::BFloat16;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kMR = 12;                 // rows per micro-block: 12 x 2 accumulators + 4 weight registers
-constexpr int64_t kRowChunk = kMR * 8;  // rows per work item; its fp32 copy (<= 590 KB at K = 1,536) stays in L2
-
 #if defined(__AVX512FP16__)
 constexpr bool kHasFp16 = true;
 #else
 constexpr bool kHasFp16 = false;
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kMR = 12;                 // rows per micro-block: 12 x 2 accumulators + 4 weight registers
+constexpr int64_t kRowChunk = kMR * 8;  // rows per work item; its fp32 copy (<= 590 KB at K = 1,536) stays in L2
+
 // fp16 sums (see the file comment): x rows scaled by a power of two to a largest |value| in [256, 512), weights
 // to one in [0.5, 1), so kFlushSteps x 16 products per lane stay below 2^14 (fp16's largest: 65,504).
 constexpr int kFlushSteps = 2;  // 32-deep steps between flushes of the fp16 accumulators into fp32

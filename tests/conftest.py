@@ -73,6 +73,29 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def fp32_reference(gguf_path):
+    """The default model's fp32 greedy continuations (24 tokens) of TEXT_PROMPTS: (prompt ids, continuations), the
+    reference of the teacher-forced agreement tests (pagellm bench agreement's measure)."""
+    from pagellm import LLM, SamplingParams
+
+    ref = LLM(model=str(gguf_path), dtype="float32", kv_cache_memory="64MiB")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = ref.generate(TEXT_PROMPTS, params, use_tqdm=False)
+    assert ref.llm_engine.model.linear_kernels == "torch"  # fp32: plain GEMMs, as HF
+    return [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
+
+
+def teacher_forced_agreement(llm, reference) -> float:
+    """The share of the reference's continuation tokens that llm's top-1 matches, fed the reference's tokens."""
+    from pagellm.entrypoints.bench_agreement import teacher_forced_top1
+
+    ids, conts = reference
+    hits = sum(p == c for i, cont in zip(ids, conts)
+               for p, c in zip(teacher_forced_top1(llm.llm_engine, list(i) + list(cont), len(i)), cont))
+    return hits / sum(map(len, conts))
+
+
 def pool_is_whole(llm) -> bool:
     """After every request has ended, every block is free (or cached and evictable) and unreferenced."""
     pool = llm.llm_engine.kv_manager.pool

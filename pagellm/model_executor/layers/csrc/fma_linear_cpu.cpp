@@ -106,9 +106,9 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
         __m512 mx = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(src0 + m * g.lda + k)));
         const float top = _mm512_reduce_max_ps(mx);
-        int e = 0;
+        int e = kRowExp;  // 0 or not finite: scale 1
         if (top > 0.f && std::isfinite(top)) std::frexp(top, &e);  // top = f 2^e, f in [0.5, 1)
-        const int s = top > 0.f && std::isfinite(top) ? std::clamp(kRowExp - e, -126, 126) : 0;
+        const int s = std::clamp(kRowExp - e, -126, 126);
         scale[m] = std::ldexp(1.f, s), row_inv[m] = std::ldexp(1.f, -s);
       }
       // k outer, rows inner (as below); a row's 8 pairs at k go kMR words apart
@@ -139,7 +139,7 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
 
 // R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed bf16 panels; out: [R][NP].
 template <int R, int NP>
-PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, float, __m512 (&out)[kMR][2]) {
+PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, __m512 (&out)[kMR][2]) {
   __m512 acc[R][NP];
   PAGELLM_UNROLL for (int m = 0; m < R; ++m)
     PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -227,7 +227,7 @@ PAGELLM_INLINE void multiply(const float* a, const uint16_t* const* b, int64_t k
 #if defined(__AVX512FP16__)
   if constexpr (kHalf) return micro_half<R, NP>(a, b, kc_n, w_inv, out);
 #endif
-  micro<R, NP>(a, b, kc_n, w_inv, out);
+  micro<R, NP>(a, b, kc_n, out);
 }
 
 // bf16 of v (+ bias[0..16)) into y's 16 columns, the first `cols` of them.

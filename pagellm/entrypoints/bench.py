@@ -132,6 +132,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     result = {
         "engine": "pagellm", "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
         "kv_cache_dtype": engine.config.kv_cache_dtype, "linears": engine.model.linear_kernels,
+        "attention_fp16_sums": bool(getattr(engine.model.backend, "fp16_sums", False)),
         "requests": len(prompts), "prompt_tokens": prompt_toks, "output_tokens": out_toks,
         "wall_s": round(wall, 3), "output_tok_per_s": round(out_toks / wall, 2),
         "total_tok_per_s": round((prompt_toks + out_toks) / wall, 2), "peak_rss_mb": round(peak, 1),
@@ -225,6 +226,7 @@ def cmd_latency(a: argparse.Namespace) -> None:
     import torch
     result = {"engine": "pagellm", "mode": "latency", "dtype": str(engine.config.torch_dtype).replace("torch.", ""),
               "kv_cache_dtype": engine.config.kv_cache_dtype, "linears": engine.model.linear_kernels,
+              "attention_fp16_sums": bool(getattr(engine.model.backend, "fp16_sums", False)),
               "prompt_len": a.input_len, "output_len": a.output_len, "ttft_ms": round(ttft * 1e3, 2),
               "tpot_ms": round(tpot * 1e3, 2), "e2e_s": round(e2e, 3),
               "ttft_runs_ms": [round(r[0] * 1e3, 1) for r in runs], "threads": torch.get_num_threads(),

@@ -69,7 +69,8 @@ def cmd_agreement(a: argparse.Namespace) -> None:
     sys.stdout.write(json.dumps({
         "engine": "pagellm", "mode": "teacher_forced_agreement", "reference_dtype": "float32",
         "dtype": str(engine.config.torch_dtype).replace("torch.", ""), "kv_cache_dtype": engine.config.kv_cache_dtype,
-        "linears": engine.model.linear_kernels, "prompts": len(prompts),
+        "linears": engine.model.linear_kernels,
+        "attention_fp16_sums": bool(getattr(engine.model.backend, "fp16_sums", False)), "prompts": len(prompts),
         "positions": total, "top1_agreement": round(agree, 4),
         "min_prompt_agreement": round(min(per_prompt), 4)}) + "\n")
 

@@ -33,6 +33,9 @@ class CPUPagedAttention(TorchPagedAttention):
     # The kernels read only the slots inside each context (tests/test_attention.py fills the others with NaN),
     # and the SDPA fallback gathers exactly the context.
     needs_zeroed_cache = False
+    # fp16 partial sums for prefill chunks on CPUs with AVX512-FP16 (csrc/attention_fp16.h), bf16/fp16 only: set by
+    # build_model from EngineConfig.reduced_precision_reduction.
+    fp16_sums = False
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int,
                  kv_cache_dtype: torch.dtype | None = None) -> None:
@@ -88,7 +91,8 @@ class CPUPagedAttention(TorchPagedAttention):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if cascade is not None else None
         max_query = self.max_query(q.dtype)
         self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                                 sliding_window or 0, max_query, cascade.kv_start if cascade else None, lse)
+                                 sliding_window or 0, max_query, cascade.kv_start if cascade else None, lse,
+                                 self.fp16_sums)
         if cascade is not None:  # the shared prefix for all its rows at once, merged by log-sum-exp
             self.ops.cascade_prefix_attention(q, kc, vc, cascade.blocks, cascade.rows, out, lse, scale)
         if not meta.prefill_rows:

@@ -34,6 +34,9 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     model.rotary.build_tables(device)
     model.load_weights(weights)
     kernels = cpu_kernels(backend.ops, dtype, reduced_precision_reduction) if device.type == "cpu" else None
+    if device.type == "cpu" and dtype != torch.float32 and getattr(backend, "ops", None) is not None:
+        # the paged kernel's fp16 sums for prefill chunks (fp32 keeps fp32 sums: HF-exact)
+        backend.fp16_sums = reduced_precision_reduction and bool(backend.ops.paged_attention_fp16_supported())
     if kernels is not None:
         model.use_cpu_kernels(kernels)
     return model.eval()

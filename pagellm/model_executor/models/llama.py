@@ -237,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
-                                                     backend.max_query(torch.bfloat16), GEMV_MAX_ROWS)
+                                                     backend.max_query(torch.bfloat16), GEMV_MAX_ROWS,
+                                                     backend.fp16_sums)
         no_bias = torch.empty(0, dtype=torch.bfloat16)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

@@ -49,9 +49,11 @@ struct Layer {
 class LlamaDecoder : public torch::CustomClassHolder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
-               double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows)
+               double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows,
+               bool attention_fp16_sums)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
-        amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query), amx_(amx_linear_supported()),
+        amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
+        fp16_sums_(attention_fp16_sums), amx_(amx_linear_supported()),
         gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16 or AVX-512");
   }
@@ -138,7 +140,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
             PAGELLM_RANGE("pagellm::paged_attention");
             paged_attention(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_, L.window,
                             kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
-                            casc ? c10::optional<at::Tensor>(lse) : c10::nullopt);
+                            casc ? c10::optional<at::Tensor>(lse) : c10::nullopt, fp16_sums_);
           }
           if (casc) {
             PAGELLM_RANGE("pagellm::cascade_prefix_attention");
@@ -241,6 +243,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   int64_t H_, Hkv_, D_, I_;
   double eps_, scale_;
   int64_t amx_max_rows_, kernel_max_query_;
+  bool fp16_sums_;         // paged attention's fp16 partial sums (CPUPagedAttention.fp16_sums)
   bool amx_;               // the AMX linear kernels, else the FMA one
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
@@ -251,7 +254,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);

@@ -28,7 +28,9 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      at::Tensor out, double scale, int64_t window, int64_t max_query_len,
-                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse);
+                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse,
+                     bool fp16_sums = false);
+bool paged_attention_fp16_supported();
 
 bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size);
 void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

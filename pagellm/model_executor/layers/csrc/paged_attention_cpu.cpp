@@ -31,42 +31,13 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "attention_fp16.h"
+#include "paged_attention_task.h"
 #include "split_work.h"
 
 namespace {
 using namespace pagellm;
-
-constexpr int64_t kTileRows = 16;
-
-struct Args {
-  int64_t H, Hkv, G, D, B, MB;
-  int64_t q_s0, q_s1, o_s0, o_s1, k_sb, k_sh, v_sb, v_sh;  // strides in elements
-  const int64_t *bt, *seq, *qs;
-  float scale;
-  int64_t window;
-  const int64_t* kv_start;  // per request, or null: keys before it are left out (cascade attention's suffix part)
-  float* lse;               // [T, H] log-sum-exp of each row's scores, or null
-  int64_t lse_s0;
-};
-
-// First key a row at position p of request r attends to: its window's start, or the request's kv_start.
-inline int64_t key_lo(const Args& a, int64_t r, int64_t p) {
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-  return a.kv_start ? std::max(lo, a.kv_start[r]) : lo;
-}
-
-struct Task {
-  int64_t r, h, i0, nrows;  // request, first kv head, first query row (relative to the request), rows
-  int64_t cost;
-  int64_t nh = 1;           // kv heads h .. h + nh - 1
-};
-
-// The part of task t for its j-th kv head alone.
-inline Task one_head(const Task& t, int64_t j) {
-  Task th = t;
-  th.h = t.h + j, th.nh = 1;
-  return th;
-}
+using namespace pagellm::paged;
 
 // fp8 requests whose tasks have more query vectors than one pass of the value loop takes (prefill chunks): the
 // kernel reads every element once per group of vectors, and converting fp8 each time costs more than the
@@ -78,44 +49,8 @@ struct Staged {
   std::vector<char> on;              // per request: its tasks read the copy
 };
 
-// Query vectors per pass of the value loop (their accumulators, NV x C registers, stay in registers); C = D / 16.
-constexpr int values_per_pass(int64_t C) { return C >= 8 ? (C >= 16 ? 1 : 2) : 4; }
-
 inline bool wants_staging(const Args& a, int64_t qlen, int64_t max_query_len) {
   return qlen <= max_query_len && std::min(qlen, kTileRows) * a.G > values_per_pass(a.D / 16);
-}
-
-// Query vectors of a task: v = i * G + g for row i, head g. Keys [klo, khi) cover every row's window; row i at
-// position p_i attends to [row_lo(i), p_i].
-struct Span {
-  int64_t p0, klo, khi, b0, b1, ns;
-};
-
-inline Span span_of(const Args& a, const Task& t) {
-  Span s;
-  const int64_t L = a.seq[t.r], qlen = a.qs[t.r + 1] - a.qs[t.r];
-  s.p0 = L - qlen + t.i0;
-  s.khi = s.p0 + t.nrows;
-  s.klo = key_lo(a, t.r, s.p0);
-  s.b0 = s.klo / a.B;
-  s.b1 = (s.khi - 1) / a.B;
-  s.ns = (s.b1 - s.b0 + 1) * a.B;  // scores are indexed by token - b0 * B
-  return s;
-}
-
-// Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi).
-inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S) {
-  const int64_t base = s.b0 * a.B;
-  for (int64_t i = 0; i < t.nrows; ++i) {
-    const int64_t p = s.p0 + i, lo = key_lo(a, t.r, p);
-    for (int64_t g = 0; g < a.G; ++g) {
-      float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
-      const float lse = softmax_range(row, lo, p + 1);
-      if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = lse;
-      std::fill(row + s.klo, row + lo, 0.f);
-      std::fill(row + p + 1, row + s.khi, 0.f);
-    }
-  }
 }
 
 template <typename T>
@@ -326,42 +261,57 @@ inline bool vectorised(int64_t D) {
 #endif
 }
 
-// q, out: T; the cache: KV (T itself, or fp8; st: the requests read from a bf16 copy, see Staged).
+// A worker's buffers, kept between its tasks.
+struct Scratch {
+  std::vector<float> qf, S, of, qinv;
+  std::vector<uint16_t> P;
+  std::vector<int32_t> q16;
+};
+
+// q, out: T; the cache: KV (T itself, or fp8). st: the requests read from a bf16 copy (see Staged); st16: the
+// requests on the fp16 path, from its fp16 copy (attention_fp16.h).
 template <typename T, typename KV>
 void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV* vc, T* op, const Staged& st,
-              std::vector<float>& qf, std::vector<float>& S, std::vector<float>& of) {
+              const Staged16& st16, Scratch& w) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, D = a.D;
-  qf.resize(t.nh * nv * D);
-  of.resize(t.nh * nv * D);
-  S.resize(t.nh * nv * s.ns);
+  w.qf.resize(t.nh * nv * D);
+  w.of.resize(t.nh * nv * D);
+  w.S.resize(t.nh * nv * s.ns);
   const int64_t row0 = a.qs[t.r] + t.i0;
   // fp8: a staged request's tasks run on the bf16 copy of its blocks; otherwise the vectorised kernel reads e4m3
   // keys scaled down (fp8_read_scale) and q takes the factor, exactly.
+  const bool half = !st16.on.empty() && st16.on[t.r];
   const bool stage = !st.on.empty() && st.on[t.r];
-  const float q_scale = a.scale * (vectorised(D) && !stage ? fp8_read_scale<KV>() : 1.f);
+  const float q_scale = a.scale * (vectorised(D) && !stage && !half ? fp8_read_scale<KV>() : 1.f);
   // Head j of the task's kv heads holds its vectors j * nv .. j * nv + nv - 1 in qf, S and of.
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {
         const T* q = qp + (row0 + i) * a.q_s0 + ((t.h + j) * a.G + g) * a.q_s1;
-        float* f = qf.data() + ((j * t.nrows + i) * a.G + g) * D;
+        float* f = w.qf.data() + ((j * t.nrows + i) * a.G + g) * D;
         for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * q_scale;
       }
   bool done = false;
+#if defined(__AVX512FP16__)
+  if (half) {
+    w.P.resize(t.nh * nv * s.ns), w.q16.resize(t.nh * nv * D / 2), w.qinv.resize(t.nh * nv);
+    done = attend16_dims(st16, t, w.qf.data(), w.S.data(), w.P.data(), w.q16.data(), w.qinv.data(), w.of.data());
+  }
+#endif
 #if defined(__AVX512F__)
-  if (stage) done = attend_dims<c10::BFloat16>(st.a, t, qf.data(), st.k, st.v, S.data(), of.data());
-  if (!done && vectorised(D)) done = attend_dims<KV>(a, t, qf.data(), kc, vc, S.data(), of.data());
+  if (!done && stage) done = attend_dims<c10::BFloat16>(st.a, t, w.qf.data(), st.k, st.v, w.S.data(), w.of.data());
+  if (!done && vectorised(D)) done = attend_dims<KV>(a, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
 #endif
   if (!done)
     for (int64_t j = 0; j < t.nh; ++j)
-      attend_generic<KV>(a, one_head(t, j), qf.data() + j * nv * D, kc, vc, S.data() + j * nv * s.ns,
-                        of.data() + j * nv * D);
+      attend_generic<KV>(a, one_head(t, j), w.qf.data() + j * nv * D, kc, vc, w.S.data() + j * nv * s.ns,
+                        w.of.data() + j * nv * D);
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {
         T* o = op + (row0 + i) * a.o_s0 + ((t.h + j) * a.G + g) * a.o_s1;
-        const float* f = of.data() + ((j * t.nrows + i) * a.G + g) * D;
+        const float* f = w.of.data() + ((j * t.nrows + i) * a.G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(f[d]);
       }
 }
@@ -369,7 +319,8 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
 template <typename T, typename KV>
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& bt,
                const at::Tensor& seq_lens, const at::Tensor& query_start, at::Tensor& out, double scale,
-               int64_t window, int64_t max_query_len, const int64_t* kv_start, float* lse, int64_t lse_s0) {
+               int64_t window, int64_t max_query_len, const int64_t* kv_start, float* lse, int64_t lse_s0,
+               bool fp16_sums) {
   Args a;
   a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = q.size(2);
   a.B = v_cache.size(2) * v_cache.size(4), a.MB = bt.size(1);
@@ -404,13 +355,30 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const KV* vc = static_cast<const KV*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
   Staged st;
+  Staged16 st16;
+#if defined(__AVX512FP16__)
+  // fp16 sums: bf16/fp16 queries (fp32 keeps fp32 sums, HF-exact), chunks of kFp16MinRows rows or more, or over an
+  // fp8 cache every request the bf16 copy would take.
+  if constexpr (!std::is_same_v<T, float>)
+    if (fp16_sums && vectorised(a.D)) {
+      std::vector<char> want(R, 0);
+      bool any = false;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t qlen = a.qs[r + 1] - a.qs[r];
+        want[r] = is_fp8<KV>() ? wants_staging(a, qlen, max_query_len)
+                               : qlen >= kFp16MinRows && qlen <= max_query_len;
+        any = any || want[r];
+      }
+      if (any) stage_fp16<KV>(a, want, kc, vc, st16);
+    }
+#endif
 #if defined(__AVX512F__)
   if constexpr (is_fp8<KV>())
-    if (vectorised(a.D)) stage_requests<KV>(a, R, max_query_len, kc, vc, st);
+    if (vectorised(a.D) && st16.on.empty()) stage_requests<KV>(a, R, max_query_len, kc, vc, st);
 #endif
   run_largest_first(tasks, [&](auto next) {
-    std::vector<float> qf, S, of;
-    while (const Task* t = next()) run_task<T, KV>(a, *t, qp, kc, vc, op, st, qf, S, of);
+    Scratch w;
+    while (const Task* t = next()) run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w);
   });
 }
 
@@ -551,7 +519,7 @@ void dispatch_cache(c10::ScalarType t, c10::ScalarType q, const char* name, F&& 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      at::Tensor out, double scale, int64_t window, int64_t max_query_len,
-                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse) {
+                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse, bool fp16_sums) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
               "q/out: [T, H, D], last dim contiguous");
   const bool has_start = kv_start.has_value() && kv_start->defined(), has_lse = lse.has_value() && lse->defined();
@@ -573,10 +541,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     dispatch_cache<T>(k_cache.scalar_type(), q.scalar_type(), "paged_attention", [&](auto kv) {
       attention<T, decltype(kv)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
                                  max_query_len, has_start ? kv_start->data_ptr<int64_t>() : nullptr,
-                                 has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0);
+                                 has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0,
+                                 fp16_sums && kHasFp16Attention);
     });
   });
 }
+
+bool paged_attention_fp16_supported() { return kHasFp16Attention; }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping) {
@@ -613,8 +584,9 @@ void gather_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const
 TORCH_LIBRARY(pagellm, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, Tensor(a!) out, float scale, int window, int max_query_len, Tensor? kv_start=None, "
-        "Tensor(b!)? lse=None) -> ()");
+        "Tensor(b!)? lse=None, bool fp16_sums=False) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("paged_attention_fp16_supported() -> bool", [] { return paged_attention_fp16_supported(); });
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
   m.def("gather_kv_cache(Tensor k_cache, Tensor v_cache, Tensor blocks, Tensor(a!) k, Tensor(b!) v) -> ()");

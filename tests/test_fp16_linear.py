@@ -120,15 +120,18 @@ def test_engine_switch_and_agreement_with_fp32(gguf_path, fp32_reference):
     """The engine takes the fp16 sums by default where the CPU has them, not with
     reduced_precision_reduction=False; on the default model its teacher-forced top-1 agreement with fp32 (bench
     agreement's measure) stays at the issue's bar. Measured 2026-12-02: 0.9956 on workload_16 (0.9951 with fp32
-    sums)."""
+    sums), 0.9941 with attention's fp16 sums too."""
     from pagellm import LLM
 
     off = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", reduced_precision_reduction=False)
     assert "fma_fp16" not in off.llm_engine.model.linear_kernels
+    assert not off.llm_engine.model.backend.fp16_sums
     del off
     llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB")
     kernels = llm.llm_engine.model.linear_kernels
     assert ("fma_fp16" in kernels) == (ops.fma_linear_fp16_supported() and not ops.amx_linear_supported())
+    # the paged attention kernel's prefill chunks too (tests/test_fp16_attention.py)
+    assert llm.llm_engine.model.backend.fp16_sums == bool(ops.paged_attention_fp16_supported())
     assert teacher_forced_agreement(llm, fp32_reference) >= 0.97
 
 

@@ -21,6 +21,8 @@
 // Cascade attention's suffix part: with kv_start, request r attends only to keys kv_start[r] onwards (the shared
 // prefix before it is attended once for all requests, by prefix_attention_amx), and lse receives each row's
 // log-sum-exp so the caller can merge the two parts.
+// fp16_sums (bf16/fp16 queries, CPUs with AVX512-FP16): prefill chunks run on an fp16 copy of their blocks with
+// fp16 partial sums, attention_fp16.h.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -265,7 +267,7 @@ inline bool vectorised(int64_t D) {
 struct Scratch {
   std::vector<float> qf, S, of, qinv;
   std::vector<uint16_t> P;
-  std::vector<int32_t> q16;
+  std::vector<uint16_t> q16;  // fp16 bits
 };
 
 // q, out: T; the cache: KV (T itself, or fp8). st: the requests read from a bf16 copy (see Staged); st16: the
@@ -295,8 +297,9 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
   bool done = false;
 #if defined(__AVX512FP16__)
   if (half) {
-    w.P.resize(t.nh * nv * s.ns), w.q16.resize(t.nh * nv * D / 2), w.qinv.resize(t.nh * nv);
-    done = attend16_dims(st16, t, w.qf.data(), w.S.data(), w.P.data(), w.q16.data(), w.qinv.data(), w.of.data());
+    w.P.resize(t.nh * nv * s.ns), w.q16.resize(t.nh * nv * D), w.qinv.resize(t.nh * nv);
+    done = attend16_dims(st16, t, w.qf.data(), w.S.data(), w.P.data(), reinterpret_cast<_Float16*>(w.q16.data()),
+                         w.qinv.data(), w.of.data());
   }
 #endif
 #if defined(__AVX512F__)
@@ -360,7 +363,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   // fp16 sums: bf16/fp16 queries (fp32 keeps fp32 sums, HF-exact), chunks of kFp16MinRows rows or more, or over an
   // fp8 cache every request the bf16 copy would take.
   if constexpr (!std::is_same_v<T, float>)
-    if (fp16_sums && vectorised(a.D)) {
+    if (fp16_sums && fp16_dims(a.D)) {
       std::vector<char> want(R, 0);
       bool any = false;
       for (int64_t r = 0; r < R; ++r) {

@@ -7,7 +7,7 @@ several row counts, by every path this CPU has (plain F.linear, AMX, FMA, stream
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
-kernel over bf16 and fp8 caches. Argmax: greedy sampling over [64, 49152] logits.
+kernel over bf16 and fp8 caches, and with fp32 against fp16 partial sums. Argmax: greedy sampling over [64, 49152] logits.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
 from __future__ import annotations
@@ -116,6 +116,22 @@ def kv_cache_dtypes() -> None:
         emit(bench="paged attention by cache dtype, ms", case=name, **best_ms(fs, rounds=5))
 
 
+def attention_sums(ops) -> None:
+    """The paged kernel's prefill chunks with fp32 partial sums against fp16 ones (CPUs with AVX512-FP16,
+    csrc/attention_fp16.h): the chunks of a 7,000-token prompt at the default budget, one layer of SmolLM2."""
+    if not ops.paged_attention_fp16_supported():
+        return
+    for q_len, ctx in [(2048, 2048), (2048, 4096), (2048, 6144), (856, 7000)]:
+        be = CPUPagedAttention(3, 64, 32)
+        args = make_case(be, [q_len], [ctx], 32, torch.bfloat16, 9, 3, 64)[:5]
+
+        def run(fp16, be=be, args=args):
+            be.fp16_sums = fp16
+            be.forward(*args, 0.125, None)
+        emit(bench="prefill attention sums, ms", case=f"{q_len} rows after {ctx - q_len}",
+             **best_ms({"fp32_sums": lambda: run(False), "fp16_sums": lambda: run(True)}, rounds=5))
+
+
 def small_ops(ops) -> None:
     """The fused element-wise kernels against the torch ops they replace, on SmolLM2's shapes."""
     for rows in (64, 2048):
@@ -171,5 +187,6 @@ if __name__ == "__main__":
     small_ops(ops)
     gate_up_silu(ops)
     attention()
+    attention_sums(ops)
     kv_cache_dtypes()
     argmax(ops)

@@ -15,8 +15,9 @@
 //   - softmax in fp32 as before, left unnormalised: P = exp(s - max) <= 1 goes into fp16 times 2^10.
 //   - p.v: one FMA multiplies a token's 32 dims by its p (an embedded broadcast). Every 32 tokens the fp16 sums
 //     (below 32 * 2^10) join the fp32 output, which takes 1 / the row's sum and V's scale at the end.
-// Measured on SmolLM2's heads (9 q, 3 kv, 64 dims), a 2,048-row chunk after 0-6,144 tokens: 1.2-1.6x faster than
-// the fp32 sums, mean error against fp64 1.35x theirs (both mostly the output's bf16 rounding).
+// `python bench/kernels.py` ("prefill attention sums"), SmolLM2's heads (9 q, 3 kv, 64 dims), 2,048-row chunks
+// after 0-6,144 tokens: 1.2-1.6x faster than the fp32 sums; mean error against fp64 1.35x theirs (both mostly the
+// output's bf16 rounding).
 // The staging costs two reads and one write of the context per call; the kernel reads each element once per
 // group of query vectors, so only chunks of at least kFp16MinRows rows take this path (decode rows never).
 #pragma once
@@ -161,14 +162,7 @@ void stage_fp16(const Args& a, const std::vector<char>& want, const KV* kc, cons
   thread_local std::vector<uint16_t> kbuf, vbuf;
   thread_local std::vector<int64_t> table;
   const int64_t R = static_cast<int64_t>(want.size());
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, block index in its table)
-  table.assign(R * a.MB, 0);
-  for (int64_t r = 0; r < R; ++r)
-    if (want[r])
-      for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
-        table[r * a.MB + b] = static_cast<int64_t>(blocks.size());
-        blocks.emplace_back(r, b);
-      }
+  const auto blocks = staged_blocks(a, want, table);
   const int64_t nb = static_cast<int64_t>(blocks.size()), per = a.B * a.D, items = nb * a.Hkv;
   if (static_cast<int64_t>(kbuf.size()) < items * per) kbuf.resize(items * per), vbuf.resize(items * per);
   // Pass 1: each (block, kv head)'s largest |K| and |V| over its tokens inside the context.
@@ -194,7 +188,7 @@ void stage_fp16(const Args& a, const std::vector<char>& want, const KV* kc, cons
     const int64_t rh = blocks[i % nb].first * a.Hkv + i / nb;
     km[rh] = std::max(km[rh], kmax[i]), vm[rh] = std::max(vm[rh], vmax[i]);
   }
-  st.kinv.assign(R * a.Hkv, 1.f), st.vinv.assign(R * a.Hkv, 1.f);
+  st.kinv.resize(R * a.Hkv), st.vinv.resize(R * a.Hkv);
   for (int64_t rh = 0; rh < R * a.Hkv; ++rh)
     st.kinv[rh] = 1.f / unit_scale(km[rh]), st.vinv[rh] = 1.f / unit_scale(vm[rh]);
   // Pass 2: the copy. (The workers must not name the thread_locals: each would see its own, empty.)
@@ -224,12 +218,7 @@ inline float query_to_fp16(const float* f, int64_t D, _Float16* out) {
   while ((int64_t{1} << lanes_log2) < D / kScoreSums) ++lanes_log2;
   float m = 0.f;
   for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(f[d]));
-  float s = 1.f;
-  if (m > 0.f && std::isfinite(m)) {
-    int e;
-    std::frexp(m, &e);  // m < 2^e
-    s = std::ldexp(1.f, 15 - lanes_log2 - e);
-  }
+  const float s = m > 0.f && std::isfinite(m) ? std::ldexp(unit_scale(m), 15 - lanes_log2) : 1.f;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<_Float16>(f[d] * s);
   return 1.f / s;
 }

@@ -211,27 +211,14 @@ void fp8_block_to_bf16(const int32_t* kw, const int32_t* vw, int32_t* ko, int32_
     }
 }
 
-// Fills st for the requests that want it (none, as in a decode step: st.on stays empty). The copy lives in
-// per-thread buffers that keep their size between calls, so a step's 30 layers do not each map and fault in
-// fresh pages.
+// Fills st for the requests with want[r] (called when at least one has). The copy lives in per-thread buffers
+// that keep their size between calls, so a step's 30 layers do not each map and fault in fresh pages.
 template <typename KV>
-void stage_requests(const Args& a, int64_t R, int64_t max_query_len, const KV* kc, const KV* vc, Staged& st) {
+void stage_requests(const Args& a, const std::vector<char>& want, const KV* kc, const KV* vc, Staged& st) {
   thread_local std::vector<c10::BFloat16> kbuf, vbuf;
   thread_local std::vector<int64_t> table;
-  int64_t r0 = 0;
-  while (r0 < R && !wants_staging(a, a.qs[r0 + 1] - a.qs[r0], max_query_len)) ++r0;
-  if (r0 == R) return;
-  st.on.assign(R, 0);
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, block index in its table)
-  table.assign(R * a.MB, 0);
-  for (int64_t r = r0; r < R; ++r) {
-    if (!wants_staging(a, a.qs[r + 1] - a.qs[r], max_query_len)) continue;
-    st.on[r] = 1;
-    for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
-      table[r * a.MB + b] = static_cast<int64_t>(blocks.size());
-      blocks.emplace_back(r, b);
-    }
-  }
+  const auto blocks = staged_blocks(a, want, table);
+  st.on = want;
   const int64_t per = a.B * a.D, n = static_cast<int64_t>(blocks.size()) * a.Hkv * per;
   if (static_cast<int64_t>(kbuf.size()) < n) kbuf.resize(n), vbuf.resize(n);
   // (the workers must not name the thread_locals: each would see its own, empty)
@@ -357,28 +344,32 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const KV* kc = static_cast<const KV*>(k_cache.data_ptr());
   const KV* vc = static_cast<const KV*>(v_cache.data_ptr());
   T* op = out.data_ptr<T>();
+  // Requests whose blocks are copied once per call: with fp16 sums (bf16/fp16 queries; fp32 keeps fp32 sums,
+  // HF-exact) chunks of kFp16MinRows rows or more into fp16, else over an fp8 cache long chunks into bf16.
   Staged st;
   Staged16 st16;
+  bool half = false;
 #if defined(__AVX512FP16__)
-  // fp16 sums: bf16/fp16 queries (fp32 keeps fp32 sums, HF-exact), chunks of kFp16MinRows rows or more, or over an
-  // fp8 cache every request the bf16 copy would take.
-  if constexpr (!std::is_same_v<T, float>)
-    if (fp16_sums && fp16_dims(a.D)) {
-      std::vector<char> want(R, 0);
-      bool any = false;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t qlen = a.qs[r + 1] - a.qs[r];
-        want[r] = is_fp8<KV>() ? wants_staging(a, qlen, max_query_len)
-                               : qlen >= kFp16MinRows && qlen <= max_query_len;
-        any = any || want[r];
-      }
-      if (any) stage_fp16<KV>(a, want, kc, vc, st16);
+  if constexpr (!std::is_same_v<T, float>) half = fp16_sums && fp16_dims(a.D);
+#endif
+  std::vector<char> want(R, 0);
+  bool any = false;
+  if (half || (is_fp8<KV>() && vectorised(a.D)))
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t qlen = a.qs[r + 1] - a.qs[r];
+      want[r] = is_fp8<KV>() ? wants_staging(a, qlen, max_query_len) : qlen >= kFp16MinRows && qlen <= max_query_len;
+      any = any || want[r];
     }
+  if (any) {
+#if defined(__AVX512FP16__)
+    if constexpr (!std::is_same_v<T, float>)
+      if (half) stage_fp16<KV>(a, want, kc, vc, st16);
 #endif
 #if defined(__AVX512F__)
-  if constexpr (is_fp8<KV>())
-    if (vectorised(a.D) && st16.on.empty()) stage_requests<KV>(a, R, max_query_len, kc, vc, st);
+    if constexpr (is_fp8<KV>())
+      if (!half) stage_requests<KV>(a, want, kc, vc, st);
 #endif
+  }
   run_largest_first(tasks, [&](auto next) {
     Scratch w;
     while (const Task* t = next()) run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w);

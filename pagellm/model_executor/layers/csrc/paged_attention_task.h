@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "attention_common.h"
 
@@ -76,6 +78,22 @@ inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S) 
       std::fill(row + p + 1, row + s.khi, 0.f);
     }
   }
+}
+
+// The blocks of the requests with want[r], as a list for a per-call copy of them: table [R, MB] maps each
+// request's block b to its index in the list (the copy's block table); returns (request, b) per index.
+inline std::vector<std::pair<int64_t, int64_t>> staged_blocks(const Args& a, const std::vector<char>& want,
+                                                              std::vector<int64_t>& table) {
+  const int64_t R = static_cast<int64_t>(want.size());
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  table.assign(R * a.MB, 0);
+  for (int64_t r = 0; r < R; ++r)
+    if (want[r])
+      for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
+        table[r * a.MB + b] = static_cast<int64_t>(blocks.size());
+        blocks.emplace_back(r, b);
+      }
+  return blocks;
 }
 
 }  // namespace pagellm::paged

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -42,15 +43,15 @@ constexpr bool kHasFp16Attention = false;
 
 // Rows a request's chunk needs for its tasks to take the fp16 path over a 16-bit cache.
 constexpr int64_t kFp16MinRows = 16;
-// P in fp16 is exp(s - max) * 2^10 (<= 2^10): kFlushTokens of them times a V below 1 stay below 2^15.
+// P in fp16 is exp(s - max) * 2^10 (<= 2^10): kFlushPairs of them times a V below 1 stay below 2^15 in a lane.
 constexpr float kExpScale = 1024.f;
-// Accumulators per query vector in q.k (2: 1.55x the fp32 path's error against fp64 in the case above, 4: 1.35x,
-// at the same speed).
-constexpr int kScoreSums = 4;
-constexpr int kFlushTokens = 32;  // tokens per fp16 sum of p.v before it joins the fp32 output
-static_assert(kFlushTokens * kExpScale <= 32768.f, "p.v partial sums could overflow fp16");
-// Query vectors per pass of the value loop: NV x C accumulators (C = D / 32) of 32 dims each.
-constexpr int values16_per_pass(int64_t C) { return C >= 4 ? (C >= 8 ? 2 : 4) : 8; }
+constexpr int kFlushPairs = 32;  // token pairs per fp16 sum of p.v before it joins the fp32 output
+static_assert(kFlushPairs * kExpScale <= 32768.f, "p.v partial sums could overflow fp16");
+// The score tile: kScoreGroups groups of 16 tokens, kScoreAccumulators registers of sums in all.
+constexpr int kScoreGroups = 4;
+constexpr int kScoreAccumulators = 24;
+// Query vectors per pass of the value loop: NV x C2 accumulators (C2 = D / 16) of 16 dims x 2 tokens each.
+constexpr int values16_per_pass(int64_t C2) { return C2 >= 6 ? (C2 >= 16 ? 1 : 24 / C2) : 24 / C2 > 8 ? 8 : 24 / C2; }
 
 struct Staged16 {
   Args a;                           // addresses the copy: block table [R, MB] into it, its strides
@@ -111,47 +112,58 @@ float block_absmax(const KV* kb, const KV* vb, int64_t n, int64_t B, int64_t D, 
   return m;
 }
 
-// 16 floats times s into fp16 at p (lanes in m).
-PAGELLM_INLINE void store_half(uint16_t* p, __m512 v, __m512 s, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(_mm512_mul_ps(v, s), _MM_FROUND_TO_NEAREST_INT));
+// 16 floats times s as fp16 bits, each in the low half of a 32-bit lane.
+PAGELLM_INLINE __m512i half_lanes(__m512 v, __m512 s) {
+  return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(_mm512_mul_ps(v, s), _MM_FROUND_TO_NEAREST_INT));
+}
+// Two vectors of 16 floats times s as 16 words of fp16 pairs (lo in the low half).
+PAGELLM_INLINE __m512i half_pairs(__m512 lo, __m512 hi, __m512 s) {
+  return _mm512_or_si512(half_lanes(lo, s), _mm512_slli_epi32(half_lanes(hi, s), 16));
 }
 
-// One (block, kv head) of the cache (x elements per word) into the staged fp16 layout, times ks / vs: K dim-major
-// [D, B] (a dim of 32 tokens is one vector), V token-major [B, D] (a token's dims are D / 32 vectors). A cache
-// word row holds x dims of B tokens (K) or x tokens of D dims (V); split / fp8_lane take it apart. Then the slots
-// of tokens n .. B-1 are zeroed: they may hold anything, and a p of 0 times a NaN there would be NaN.
+// One (block, kv head) of the cache into the staged fp16 layout, times ks / vs: pairs in 32-bit words, K [D/2, B, 2]
+// (dims 2j, 2j+1 of a token), V [B/2, D, 2] (tokens 2i, 2i+1 of a dim). That is a 16-bit cache's own layout, so
+// bf16 / fp16 convert element for element; fp8 (4 per word) splits each word row into two. Then the slots of
+// tokens n .. B-1 are zeroed: they may hold anything, and a p of 0 times a NaN there would be NaN.
 template <typename KV>
 void block_to_fp16(const KV* kb, const KV* vb, uint16_t* ko, uint16_t* vo, int64_t n, int64_t B, int64_t D,
                    float ks, float vs) {
-  constexpr int x = pack_x<KV>();
-  const KV* tag = nullptr;
-  const __m512 sk = _mm512_set1_ps(ks * fp8_read_scale<KV>()), sv = _mm512_set1_ps(vs * fp8_read_scale<KV>());
-  const int32_t* kw = reinterpret_cast<const int32_t*>(kb);
-  const int32_t* vw = reinterpret_cast<const int32_t*>(vb);
-  auto parts = [&](__m512i w, __m512 (&e)[x]) {
-    if constexpr (x == 2) {
-      split(w, e[0], e[1], tag);
-    } else {
-      e[0] = fp8_lane<0>(w, tag), e[1] = fp8_lane<1>(w, tag), e[2] = fp8_lane<2>(w, tag), e[3] = fp8_lane<3>(w, tag);
+  if constexpr (pack_x<KV>() == 2) {
+    const __m512 sk = _mm512_set1_ps(ks), sv = _mm512_set1_ps(vs);
+    for (int64_t i = 0; i < B * D; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ko + i),
+                          _mm512_cvtps_ph(_mm512_mul_ps(load16(kb + i), sk), _MM_FROUND_TO_NEAREST_INT));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(vo + i),
+                          _mm512_cvtps_ph(_mm512_mul_ps(load16(vb + i), sv), _MM_FROUND_TO_NEAREST_INT));
     }
-  };
-  __m512 e[x];
-  for (int64_t j = 0; j < D / x; ++j)
-    for (int64_t t0 = 0; t0 < B; t0 += 16) {
-      const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, B - t0)) - 1);
-      parts(_mm512_maskz_loadu_epi32(m, kw + j * B + t0), e);
-      PAGELLM_UNROLL
-      for (int u = 0; u < x; ++u) store_half(ko + (x * j + u) * B + t0, e[u], sk, m);
-    }
-  for (int64_t i = 0; i < B / x; ++i)
-    for (int64_t d = 0; d < D; d += 16) {
-      parts(_mm512_loadu_si512(vw + i * D + d), e);
-      PAGELLM_UNROLL
-      for (int u = 0; u < x; ++u) store_half(vo + (x * i + u) * D + d, e[u], sv, 0xFFFF);
-    }
+  } else {
+    const KV* tag = nullptr;
+    const __m512 sk = _mm512_set1_ps(ks * fp8_read_scale<KV>()), sv = _mm512_set1_ps(vs * fp8_read_scale<KV>());
+    const int32_t* kw = reinterpret_cast<const int32_t*>(kb);
+    const int32_t* vw = reinterpret_cast<const int32_t*>(vb);
+    int32_t* kout = reinterpret_cast<int32_t*>(ko);
+    int32_t* vout = reinterpret_cast<int32_t*>(vo);
+    for (int64_t j = 0; j < D / 4; ++j)
+      for (int64_t t0 = 0; t0 < B; t0 += 16) {
+        const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, B - t0)) - 1);
+        const __m512i w = _mm512_maskz_loadu_epi32(m, kw + j * B + t0);
+        _mm512_mask_storeu_epi32(kout + 2 * j * B + t0, m, half_pairs(fp8_lane<0>(w, tag), fp8_lane<1>(w, tag), sk));
+        _mm512_mask_storeu_epi32(kout + (2 * j + 1) * B + t0, m,
+                                 half_pairs(fp8_lane<2>(w, tag), fp8_lane<3>(w, tag), sk));
+      }
+    for (int64_t i = 0; i < B / 4; ++i)
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512i w = _mm512_loadu_si512(vw + i * D + d);
+        _mm512_storeu_si512(vout + 2 * i * D + d, half_pairs(fp8_lane<0>(w, tag), fp8_lane<1>(w, tag), sv));
+        _mm512_storeu_si512(vout + (2 * i + 1) * D + d, half_pairs(fp8_lane<2>(w, tag), fp8_lane<3>(w, tag), sv));
+      }
+  }
   if (n == B) return;
-  for (int64_t d = 0; d < D; ++d) std::memset(ko + d * B + n, 0, (B - n) * sizeof(uint16_t));
-  std::memset(vo + n * D, 0, (B - n) * D * sizeof(uint16_t));
+  for (int64_t j = 0; j < D / 2; ++j) std::memset(ko + (j * B + n) * 2, 0, (B - n) * 2 * sizeof(uint16_t));
+  const int64_t first_empty = (n + 1) / 2;  // V pair rows wholly past the context
+  std::memset(vo + first_empty * D * 2, 0, (B / 2 - first_empty) * D * 2 * sizeof(uint16_t));
+  if (n % 2)
+    for (int64_t d = 0; d < D; ++d) vo[((n / 2) * D + d) * 2 + 1] = 0;
 }
 
 // Fills st for the requests with want[r] (st.on stays empty when none has). The copy lives in per-thread buffers
@@ -214,73 +226,100 @@ void stage_fp16(const Args& a, const std::vector<char>& want, const KV* kc, cons
 // Query vector f [D] (fp32) as D fp16, times a power of two that bounds the score sums (see the file's comment);
 // returns what undoes it.
 inline float query_to_fp16(const float* f, int64_t D, _Float16* out) {
-  int lanes_log2 = 0;  // ceil(log2(D / kScoreSums)): products per lane of one accumulator
-  while ((int64_t{1} << lanes_log2) < D / kScoreSums) ++lanes_log2;
+  int sum_log2 = 0;  // ceil(log2(products per lane of one fp16 sum))
+  while ((int64_t{1} << sum_log2) < D / 4) ++sum_log2;
   float m = 0.f;
   for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(f[d]));
-  const float s = m > 0.f && std::isfinite(m) ? std::ldexp(unit_scale(m), 15 - lanes_log2) : 1.f;
+  const float s = m > 0.f && std::isfinite(m) ? std::ldexp(unit_scale(m), 15 - sum_log2) : 1.f;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<_Float16>(f[d] * s);
   return 1.f / s;
 }
 
-// Scores of NV query vectors (q16: D fp16 each) for up to 32 tokens (lanes in m) from token t0 of a block's
-// dim-major keys kd: s[v * ns + t0 + lane], times inv[v]. Each FMA takes its q element by an embedded broadcast;
-// A accumulators per vector (dims d = c mod A) keep D / A products per lane.
-template <int NV>
-PAGELLM_INLINE void score_tile16(const _Float16* q16, int64_t D, const uint16_t* kd, int64_t B, int64_t t0,
-                                 __mmask32 m, float* s, int64_t ns, const float* inv) {
-  constexpr int A = kScoreSums;
-  __m512h acc[A][NV];
-  PAGELLM_UNROLL
-  for (int c = 0; c < A; ++c)
-    PAGELLM_UNROLL
-    for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ph();
-  const uint16_t* k0 = kd + t0;
-  for (int64_t d = 0; d < D; d += A)
-    PAGELLM_UNROLL
-    for (int c = 0; c < A; ++c) {
-      const __m512h k = _mm512_castsi512_ph(_mm512_maskz_loadu_epi16(m, k0 + (d + c) * B));
-      PAGELLM_UNROLL
-      for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ph(_mm512_set1_ph(q16[v * D + d + c]), k, acc[c][v]);
-    }
-  PAGELLM_UNROLL
-  for (int v = 0; v < NV; ++v) {
-    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-    PAGELLM_UNROLL
-    for (int c = 0; c < A; ++c) {
-      const __m512i w = _mm512_castph_si512(acc[c][v]);
-      lo = _mm512_add_ps(lo, _mm512_cvtph_ps(_mm512_castsi512_si256(w)));
-      hi = _mm512_add_ps(hi, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)));
-    }
-    const __m512 f = _mm512_set1_ps(inv[v]);
-    _mm512_mask_storeu_ps(s + v * ns + t0, static_cast<__mmask16>(m), _mm512_mul_ps(lo, f));
-    _mm512_mask_storeu_ps(s + v * ns + t0 + 16, static_cast<__mmask16>(m >> 16), _mm512_mul_ps(hi, f));
-  }
+// The 32-bit word at p (an fp16 pair) in every lane: a plain load (vpbroadcastd), where a 16-bit broadcast would
+// also take a shuffle port, which the FMAs need.
+PAGELLM_INLINE __m512h pair_bcast(const void* p) {
+  int32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return _mm512_castsi512_ph(_mm512_set1_epi32(w));
 }
 
-// score_tile16 for nv vectors: groups of NV (16 accumulators), then the rest.
-template <int NV = 16 / kScoreSums>
-inline void scores16_for(const _Float16* q16, int64_t D, const uint16_t* kd, int64_t B, int64_t t0, __mmask32 m,
-                         float* S, int64_t ns, int64_t nv, const float* inv) {
+// Scores of NV query vectors (q16: D fp16 each) for T token groups of tw = min(B, 16) tokens (group u: the staged
+// keys kp[u], K pair rows B words apart, lanes in m): s[v * ns + tw * u + lane], times inv[v]. A lane pair holds
+// dims 2j and 2j + 1, in one of two accumulators (even / odd j), so that each lane sums D / 4 products in fp16
+// (below 2^15 by q's scale); the four sums of a score join in fp32. The groups with bit u of cover (inside every
+// vector's key range) also go into mx[v] (16 lanes per vector), the running maximum that the softmax would
+// otherwise find in a pass of its own.
+template <int NV, int T>
+PAGELLM_INLINE void score_tile16(const _Float16* q16, int64_t D, const int32_t* const* kp, int64_t B, int64_t tw,
+                                 __mmask16 m, float* s, int64_t ns, const float* inv, float* mx, unsigned cover) {
+  __m512h acc[2][NV][T];
+  PAGELLM_UNROLL
+  for (int c = 0; c < 2; ++c)
+    PAGELLM_UNROLL
+    for (int v = 0; v < NV; ++v)
+      PAGELLM_UNROLL
+      for (int u = 0; u < T; ++u) acc[c][v][u] = _mm512_setzero_ph();
+  for (int64_t j = 0; j < D / 2; j += 2)
+    PAGELLM_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      __m512h k[T];
+      PAGELLM_UNROLL
+      for (int u = 0; u < T; ++u) k[u] = _mm512_castsi512_ph(_mm512_maskz_loadu_epi32(m, kp[u] + (j + c) * B));
+      PAGELLM_UNROLL
+      for (int v = 0; v < NV; ++v) {
+        const __m512h qv = pair_bcast(q16 + v * D + 2 * (j + c));
+        PAGELLM_UNROLL
+        for (int u = 0; u < T; ++u) acc[c][v][u] = _mm512_fmadd_ph(qv, k[u], acc[c][v][u]);
+      }
+    }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  PAGELLM_UNROLL
+  for (int v = 0; v < NV; ++v)
+    PAGELLM_UNROLL
+    for (int u = 0; u < T; ++u) {
+      const __m512i x = _mm512_castph_si512(acc[0][v][u]), y = _mm512_castph_si512(acc[1][v][u]);
+      // lanes (token, dim parity) of tokens 0-7, then 8-15; the permutes take the even and odd lanes apart
+      const __m512 lo = _mm512_add_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(x)), _mm512_cvtph_ps(_mm512_castsi512_si256(y)));
+      const __m512 hi = _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)),
+                                      _mm512_cvtph_ps(_mm512_extracti64x4_epi64(y, 1)));
+      const __m512 r = _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi)),
+                                     _mm512_set1_ps(inv[v]));
+      _mm512_mask_storeu_ps(s + v * ns + tw * u, m, r);
+      if (cover >> u & 1) _mm512_mask_storeu_ps(mx + 16 * v, m, _mm512_max_ps(r, _mm512_loadu_ps(mx + 16 * v)));
+    }
+}
+
+// score_tile16 for nv vectors: groups of NV, then the rest.
+template <int T, int NV>
+inline void scores16_for(const _Float16* q16, int64_t D, const int32_t* const* kp, int64_t B, int64_t tw,
+                         __mmask16 m, float* S, int64_t ns, int64_t nv, const float* inv, float* mx, unsigned cover) {
   if constexpr (NV > 0) {
     int64_t v = 0;
-    for (; v + NV <= nv; v += NV) score_tile16<NV>(q16 + v * D, D, kd, B, t0, m, S + v * ns, ns, inv + v);
-    if (v < nv) scores16_for<NV - 1>(q16 + v * D, D, kd, B, t0, m, S + v * ns, ns, nv - v, inv + v);
+    for (; v + NV <= nv; v += NV)
+      score_tile16<NV, T>(q16 + v * D, D, kp, B, tw, m, S + v * ns, ns, inv + v, mx + 16 * v, cover);
+    if (v < nv)
+      scores16_for<T, NV - 1>(q16 + v * D, D, kp, B, tw, m, S + v * ns, ns, nv - v, inv + v, mx + 16 * v, cover);
   }
 }
 
 // Causal softmax of each vector's scores, as softmax_rows but left unnormalised: P (fp16) gets exp(s - max) *
-// kExpScale over each row's range and zeros elsewhere in [klo, khi); inv_sum[v] gets 1 / the row's sum, which
-// the value loop applies once per output. (Two passes over the scores instead of four.)
-inline void softmax_rows16(const Args& a, const Task& t, const Span& s, const float* S, uint16_t* P, float* inv_sum) {
+// kExpScale over each row's range and zeros elsewhere in [klo, khi) rounded out to whole token pairs; inv_sum[v]
+// gets 1 / the row's sum, which the value loop applies once per output. The maximum over keys [c0, c1) is mx's
+// (from the score tiles); only the keys outside it are searched here.
+inline void softmax_rows16(const Args& a, const Task& t, const Span& s, const float* S, uint16_t* P, float* inv_sum,
+                           const float* mx, int64_t c0, int64_t c1) {
   const int64_t base = s.b0 * a.B;
+  const int64_t lo2 = s.klo & ~int64_t{1}, hi2 = (s.khi + 1) & ~int64_t{1};
   for (int64_t i = 0; i < t.nrows; ++i) {
     const int64_t p = s.p0 + i, lo = key_lo(a, t.r, p);
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t v = i * a.G + g;
       const float* row = S + v * s.ns - base;  // row[token]
       uint16_t* prow = P + v * s.ns - base;
-      const float m = max_of(row + lo, p + 1 - lo);
+      const float m = c0 < c1 ? std::max({_mm512_reduce_max_ps(_mm512_loadu_ps(mx + 16 * v)), max_of(row + lo, c0 - lo),
+                                          max_of(row + c1, p + 1 - c1)})
+                              : max_of(row + lo, p + 1 - lo);
       const __m512 vm = _mm512_set1_ps(m), scale = _mm512_set1_ps(kExpScale);
       __m512 vsum = _mm512_setzero_ps();
       int64_t k = lo;
@@ -298,126 +337,157 @@ inline void softmax_rows16(const Args& a, const Task& t, const Span& s, const fl
       }
       inv_sum[v] = 1.f / sum;
       if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = m + std::log(sum);
-      std::fill(prow + s.klo, prow + lo, uint16_t{0});
-      std::fill(prow + p + 1, prow + s.khi, uint16_t{0});
+      std::fill(prow + lo2, prow + lo, uint16_t{0});
+      std::fill(prow + p + 1, prow + hi2, uint16_t{0});
     }
   }
 }
 
-// out[v] (fp32, D = 32 * C) += the fp16 sums acc[v] times fs[v]; the sums restart at 0.
-template <int NV, int C>
-PAGELLM_INLINE void flush16(__m512h (&acc)[NV][C], float* out, int64_t D, const __m512 (&fs)[NV]) {
+// oi[v] (fp32, 2D: dim d's token-pair lanes at 2d and 2d + 1) += the fp16 sums acc[v]; the sums restart at 0.
+template <int NV, int C2>
+PAGELLM_INLINE void flush16(__m512h (&acc)[NV][C2], float* oi) {
+  constexpr int64_t D = 16 * C2;
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
     PAGELLM_UNROLL
-    for (int c = 0; c < C; ++c) {
-      const __m512 f = fs[v];
+    for (int c = 0; c < C2; ++c) {
       const __m512i w = _mm512_castph_si512(acc[v][c]);
-      float* o = out + v * D + 32 * c;
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w)), f, _mm512_loadu_ps(o)));
-      _mm512_storeu_ps(o + 16,
-                       _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)), f, _mm512_loadu_ps(o + 16)));
+      float* o = oi + v * 2 * D + 32 * c;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w)), _mm512_loadu_ps(o)));
+      _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1)), _mm512_loadu_ps(o + 16)));
       acc[v][c] = _mm512_setzero_ph();
     }
 }
 
-// Weighted sums of vectors [v0, v0 + NV) over their keys, block by block, from the staged token-major fp16
-// values -> of. Each token's p (fp16) comes by an embedded broadcast.
-template <int NV, int C>
+// Weighted sums of vectors [v0, v0 + NV) over their keys, block by block, from the staged values (token pairs of
+// 16 dims per vector) -> of. One 32-bit broadcast of (p_2i, p_2i+1) times a V pair row feeds C2 FMAs; each lane
+// pair sums its two tokens' products apart until the end, in fp32 (oi).
+template <int NV, int C2>
 inline void values16_for(const Staged16& st, const Task& t, const Span& s, const uint16_t* P, const float* inv_sum,
                          int64_t v0, float* of) {
   const Args& a = st.a;
-  constexpr int64_t D = 32 * C;
-  __m512 f[NV];
-  PAGELLM_UNROLL
-  for (int v = 0; v < NV; ++v) f[v] = _mm512_set1_ps(st.vinv[t.r * a.Hkv + t.h] / kExpScale * inv_sum[v0 + v]);
-  std::fill(of + v0 * D, of + (v0 + NV) * D, 0.f);
-  __m512h acc[NV][C];
+  constexpr int64_t D = 16 * C2;
+  alignas(64) float oi[NV * 2 * D];
+  std::fill(oi, oi + NV * 2 * D, 0.f);
+  __m512h acc[NV][C2];
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
     PAGELLM_UNROLL
-    for (int c = 0; c < C; ++c) acc[v][c] = _mm512_setzero_ph();
+    for (int c = 0; c < C2; ++c) acc[v][c] = _mm512_setzero_ph();
   int steps = 0;
   const int64_t base = s.b0 * a.B;
   for (int64_t b = s.b0; b <= s.b1; ++b) {
-    const uint16_t* vt = st.v + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
+    const int32_t* vw = reinterpret_cast<const int32_t*>(st.v + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh);
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
-    const _Float16* pb = reinterpret_cast<const _Float16*>(P + v0 * s.ns + b * a.B - base);
-    for (int64_t i = lo; i < hi; ++i) {
-      __m512h val[C];
+    const uint16_t* pb = P + v0 * s.ns + b * a.B - base;
+    for (int64_t i = lo / 2; 2 * i < hi; ++i) {
+      __m512h val[C2];
       PAGELLM_UNROLL
-      for (int c = 0; c < C; ++c) val[c] = _mm512_castsi512_ph(_mm512_loadu_si512(vt + i * D + 32 * c));
+      for (int c = 0; c < C2; ++c) val[c] = _mm512_castsi512_ph(_mm512_loadu_si512(vw + i * D + 16 * c));
       PAGELLM_UNROLL
       for (int v = 0; v < NV; ++v) {
-        const __m512h pv = _mm512_set1_ph(pb[v * s.ns + i]);
+        const __m512h pv = pair_bcast(pb + v * s.ns + 2 * i);
         PAGELLM_UNROLL
-        for (int c = 0; c < C; ++c) acc[v][c] = _mm512_fmadd_ph(pv, val[c], acc[v][c]);
+        for (int c = 0; c < C2; ++c) acc[v][c] = _mm512_fmadd_ph(pv, val[c], acc[v][c]);
       }
-      if (++steps == kFlushTokens) flush16<NV, C>(acc, of + v0 * D, D, f), steps = 0;
+      if (++steps == kFlushPairs) flush16<NV, C2>(acc, oi), steps = 0;
     }
   }
-  flush16<NV, C>(acc, of + v0 * D, D, f);
+  flush16<NV, C2>(acc, oi);
+  // Each dim's two lanes (even / odd tokens) join; 1 / the row's sum and V's scale come in.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int v = 0; v < NV; ++v) {
+    const __m512 f = _mm512_set1_ps(st.vinv[t.r * a.Hkv + t.h] / kExpScale * inv_sum[v0 + v]);
+    for (int c = 0; c < C2; ++c) {
+      const __m512 x = _mm512_load_ps(oi + v * 2 * D + 32 * c), y = _mm512_load_ps(oi + v * 2 * D + 32 * c + 16);
+      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(x, even, y), _mm512_permutex2var_ps(x, odd, y));
+      _mm512_storeu_ps(of + (v0 + v) * D + 16 * c, _mm512_mul_ps(sum, f));
+    }
+  }
 }
 
-template <int C, int K>
+template <int C2, int K>
 inline void values16_tail(const Staged16& st, const Task& t, const Span& s, const uint16_t* P,
                           const float* inv_sum, int64_t v0, int64_t rem, float* of) {
   if constexpr (K > 0) {
-    if (rem == K) values16_for<K, C>(st, t, s, P, inv_sum, v0, of);
-    else values16_tail<C, K - 1>(st, t, s, P, inv_sum, v0, rem, of);
+    if (rem == K) values16_for<K, C2>(st, t, s, P, inv_sum, v0, of);
+    else values16_tail<C2, K - 1>(st, t, s, P, inv_sum, v0, rem, of);
   }
 }
 
 // One task on the staged copy: qf [nh * nv, D] (fp32, times the softmax scale) -> of (fp32). S, P: nh * nv * ns
 // scores and probabilities; q16, qinv: nh * nv * D fp16 and nh * nv floats of scratch.
-template <int C>
+template <int C2>
 void attend16(const Staged16& st, const Task& t, const float* qf, float* S, uint16_t* P, _Float16* q16, float* qinv,
               float* of) {
   const Args& a = st.a;
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, B = a.B;
-  constexpr int64_t D = 32 * C;
+  constexpr int64_t D = 16 * C2;
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t v = 0; v < nv; ++v) {
       const int64_t i = j * nv + v;
       qinv[i] = query_to_fp16(qf + i * D, D, q16 + i * D) * st.kinv[t.r * a.Hkv + t.h + j];
     }
-  for (int64_t b = s.b0; b <= s.b1; ++b)
-    for (int64_t j = 0; j < t.nh; ++j) {
-      const uint16_t* kd = st.k + a.bt[t.r * a.MB + b] * a.k_sb + (t.h + j) * a.k_sh;
-      float* Sb = S + j * nv * s.ns + (b - s.b0) * B;
-      for (int64_t t0 = 0; t0 < B; t0 += 32) {
-        const int64_t w = std::min<int64_t>(32, B - t0);
-        const __mmask32 m = w == 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << w) - 1);
-        scores16_for(q16 + j * nv * D, D, kd, B, t0, m, Sb, s.ns, nv, qinv + j * nv);
-      }
+  // The span's keys in groups of tw tokens (16, or a whole block of 8): kp[u] for group u.
+  const int64_t tw = std::min<int64_t>(B, 16), groups = s.ns / tw;
+  const __mmask16 m = static_cast<__mmask16>((1u << tw) - 1);
+  // Groups [g0, g1) lie inside every row's keys, [L, p0]: their scores feed the maximum as they are made.
+  const int64_t L = key_lo(a, t.r, s.p0 + t.nrows - 1), base = s.b0 * B;
+  const int64_t g0 = (std::max(L, base) - base + tw - 1) / tw, g1 = std::max(g0, (s.p0 + 1 - base) / tw);
+  thread_local std::vector<const int32_t*> kp;
+  thread_local std::vector<float> mx;
+  kp.resize(groups);
+  mx.assign(t.nh * nv * 16, -std::numeric_limits<float>::infinity());
+  auto cover = [&](int64_t u, int n) {  // bits of groups u .. u + n - 1 inside [g0, g1)
+    unsigned c = 0;
+    for (int i = 0; i < n; ++i) c |= (u + i >= g0 && u + i < g1 ? 1u : 0u) << i;
+    return c;
+  };
+  for (int64_t j = 0; j < t.nh; ++j) {
+    for (int64_t u = 0; u < groups; ++u) {
+      const int64_t b = s.b0 + u * tw / B;
+      kp[u] = reinterpret_cast<const int32_t*>(st.k + a.bt[t.r * a.MB + b] * a.k_sb + (t.h + j) * a.k_sh) +
+              u * tw % B;
     }
-  constexpr int NV = values16_per_pass(C);
+    constexpr int T = kScoreGroups, NV = kScoreAccumulators / (2 * T);
+    float* Sj = S + j * nv * s.ns;
+    float* mxj = mx.data() + j * nv * 16;
+    int64_t u = 0;
+    for (; u + T <= groups; u += T)
+      scores16_for<T, NV>(q16 + j * nv * D, D, kp.data() + u, B, tw, m, Sj + u * tw, s.ns, nv, qinv + j * nv, mxj,
+                          cover(u, T));
+    for (; u < groups; ++u)
+      scores16_for<1, NV>(q16 + j * nv * D, D, kp.data() + u, B, tw, m, Sj + u * tw, s.ns, nv, qinv + j * nv, mxj,
+                          cover(u, 1));
+  }
+  constexpr int NV = values16_per_pass(C2);
   for (int64_t j = 0; j < t.nh; ++j) {
     const Task th = one_head(t, j);
     float* Sh = S + j * nv * s.ns;
     uint16_t* Ph = P + j * nv * s.ns;
     float* oh = of + j * nv * D;
     float* inv_sum = qinv;  // free once the scores are done
-    softmax_rows16(a, th, s, Sh, Ph, inv_sum);
+    softmax_rows16(a, th, s, Sh, Ph, inv_sum, mx.data() + j * nv * 16, base + g0 * tw, base + g1 * tw);
     int64_t v = 0;
-    for (; v + NV <= nv; v += NV) values16_for<NV, C>(st, th, s, Ph, inv_sum, v, oh);
-    if (v < nv) values16_tail<C, NV - 1>(st, th, s, Ph, inv_sum, v, nv - v, oh);
+    for (; v + NV <= nv; v += NV) values16_for<NV, C2>(st, th, s, Ph, inv_sum, v, oh);
+    if (v < nv) values16_tail<C2, NV - 1>(st, th, s, Ph, inv_sum, v, nv - v, oh);
   }
 }
 
 // Whether a head_dim has the fp16 kernel (a multiple of 32: a K row of 32 tokens, a V row of 32 dims per vector).
 constexpr bool fp16_dims(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128 || D == 256; }
 
-// attend16<D / 32>; false where the head_dim has no fp16 kernel.
+// attend16<D / 16>; false where the head_dim has no fp16 kernel.
 inline bool attend16_dims(const Staged16& st, const Task& t, const float* qf, float* S, uint16_t* P, _Float16* q16,
                           float* qinv, float* of) {
   switch (st.a.D) {
-    case 32: attend16<1>(st, t, qf, S, P, q16, qinv, of); return true;
-    case 64: attend16<2>(st, t, qf, S, P, q16, qinv, of); return true;
-    case 96: attend16<3>(st, t, qf, S, P, q16, qinv, of); return true;
-    case 128: attend16<4>(st, t, qf, S, P, q16, qinv, of); return true;
-    case 256: attend16<8>(st, t, qf, S, P, q16, qinv, of); return true;
+    case 32: attend16<2>(st, t, qf, S, P, q16, qinv, of); return true;
+    case 64: attend16<4>(st, t, qf, S, P, q16, qinv, of); return true;
+    case 96: attend16<6>(st, t, qf, S, P, q16, qinv, of); return true;
+    case 128: attend16<8>(st, t, qf, S, P, q16, qinv, of); return true;
+    case 256: attend16<16>(st, t, qf, S, P, q16, qinv, of); return true;
     default: return false;
   }
 }

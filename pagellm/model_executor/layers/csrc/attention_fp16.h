@@ -303,10 +303,24 @@ inline void scores16_for(const _Float16* q16, int64_t D, const int32_t* const* k
   }
 }
 
+// exp(x) * kExpScale for x <= 0, to a relative 2.7e-6 (fp16 keeps 2^-11): 2^n times a degree-4 fit of 2^f on
+// [-0.5, 0.5] (weighted least squares), its coefficients times kExpScale. (exp16's degree 6 serves fp32 results.)
+PAGELLM_INLINE __m512 scaled_exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009569944813847542f * kExpScale), f,
+                             _mm512_set1_ps(0.055917445570230484f * kExpScale));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402474582195282f * kExpScale));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931218504905701f * kExpScale));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f * kExpScale));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Causal softmax of each vector's scores, as softmax_rows but left unnormalised: P (fp16) gets exp(s - max) *
 // kExpScale over each row's range and zeros elsewhere in [klo, khi) rounded out to whole token pairs; inv_sum[v]
-// gets 1 / the row's sum, which the value loop applies once per output. The maximum over keys [c0, c1) is mx's
-// (from the score tiles); only the keys outside it are searched here.
+// gets 1 / the row's sum of P, which the value loop applies once per output. The maximum over keys [c0, c1) is
+// mx's (from the score tiles); only the keys outside it are searched here.
 inline void softmax_rows16(const Args& a, const Task& t, const Span& s, const float* S, uint16_t* P, float* inv_sum,
                            const float* mx, int64_t c0, int64_t c1) {
   const int64_t base = s.b0 * a.B;
@@ -320,23 +334,23 @@ inline void softmax_rows16(const Args& a, const Task& t, const Span& s, const fl
       const float m = c0 < c1 ? std::max({_mm512_reduce_max_ps(_mm512_loadu_ps(mx + 16 * v)), max_of(row + lo, c0 - lo),
                                           max_of(row + c1, p + 1 - c1)})
                               : max_of(row + lo, p + 1 - lo);
-      const __m512 vm = _mm512_set1_ps(m), scale = _mm512_set1_ps(kExpScale);
+      const __m512 vm = _mm512_set1_ps(m);
       __m512 vsum = _mm512_setzero_ps();
       int64_t k = lo;
       for (; k + 16 <= p + 1; k += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + k), vm));
+        const __m512 e = scaled_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + k), vm));
         vsum = _mm512_add_ps(vsum, e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + k),
-                            _mm512_cvtps_ph(_mm512_mul_ps(e, scale), _MM_FROUND_TO_NEAREST_INT));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + k), _mm512_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT));
       }
-      float sum = _mm512_reduce_add_ps(vsum);
-      for (; k <= p; ++k) {
-        const float e = std::exp(row[k] - m);
-        sum += e;
-        prow[k] = c10::Half(e * kExpScale).x;
+      if (k <= p) {  // the last < 16 keys, masked
+        const __mmask16 mk = static_cast<__mmask16>((1u << (p + 1 - k)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(mk, scaled_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, row + k), vm)));
+        vsum = _mm512_add_ps(vsum, e);
+        _mm256_mask_storeu_epi16(prow + k, mk, _mm512_cvtps_ph(e, _MM_FROUND_TO_NEAREST_INT));
       }
+      const float sum = _mm512_reduce_add_ps(vsum);
       inv_sum[v] = 1.f / sum;
-      if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = m + std::log(sum);
+      if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = m + std::log(sum / kExpScale);
       std::fill(prow + lo2, prow + lo, uint16_t{0});
       std::fill(prow + p + 1, prow + hi2, uint16_t{0});
     }
@@ -398,7 +412,7 @@ inline void values16_for(const Staged16& st, const Task& t, const Span& s, const
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int v = 0; v < NV; ++v) {
-    const __m512 f = _mm512_set1_ps(st.vinv[t.r * a.Hkv + t.h] / kExpScale * inv_sum[v0 + v]);
+    const __m512 f = _mm512_set1_ps(st.vinv[t.r * a.Hkv + t.h] * inv_sum[v0 + v]);
     for (int c = 0; c < C2; ++c) {
       const __m512 x = _mm512_load_ps(oi + v * 2 * D + 32 * c), y = _mm512_load_ps(oi + v * 2 * D + 32 * c + 16);
       const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(x, even, y), _mm512_permutex2var_ps(x, odd, y));

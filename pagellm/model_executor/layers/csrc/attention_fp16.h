@@ -251,6 +251,13 @@ PAGELLM_INLINE __m512h pair_bcast(const void* p) {
   return _mm512_castsi512_ph(_mm512_set1_epi32(w));
 }
 
+// The sums of lane pairs (2i, 2i + 1): x's 8 pairs, then y's, as 16 floats.
+PAGELLM_INLINE __m512 pair_sums(__m512 x, __m512 y) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  return _mm512_add_ps(_mm512_permutex2var_ps(x, even, y), _mm512_permutex2var_ps(x, odd, y));
+}
+
 // Scores of NV query vectors (q16: D fp16 each) for T token groups of tw = min(B, 16) tokens (group u: the staged
 // keys kp[u], K pair rows B words apart, lanes in m): s[v * ns + tw * u + lane], times inv[v]. A lane pair holds
 // dims 2j and 2j + 1, in one of two accumulators (even / odd j), so that each lane sums D / 4 products in fp16
@@ -280,19 +287,16 @@ PAGELLM_INLINE void score_tile16(const _Float16* q16, int64_t D, const int32_t* 
         for (int u = 0; u < T; ++u) acc[c][v][u] = _mm512_fmadd_ph(qv, k[u], acc[c][v][u]);
       }
     }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
     PAGELLM_UNROLL
     for (int u = 0; u < T; ++u) {
       const __m512i x = _mm512_castph_si512(acc[0][v][u]), y = _mm512_castph_si512(acc[1][v][u]);
-      // lanes (token, dim parity) of tokens 0-7, then 8-15; the permutes take the even and odd lanes apart
+      // lanes (token, dim parity) of tokens 0-7, then 8-15
       const __m512 lo = _mm512_add_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(x)), _mm512_cvtph_ps(_mm512_castsi512_si256(y)));
       const __m512 hi = _mm512_add_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)),
                                       _mm512_cvtph_ps(_mm512_extracti64x4_epi64(y, 1)));
-      const __m512 r = _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi)),
-                                     _mm512_set1_ps(inv[v]));
+      const __m512 r = _mm512_mul_ps(pair_sums(lo, hi), _mm512_set1_ps(inv[v]));
       _mm512_mask_storeu_ps(s + v * ns + tw * u, m, r);
       if (cover >> u & 1) _mm512_mask_storeu_ps(mx + 16 * v, m, _mm512_max_ps(r, _mm512_loadu_ps(mx + 16 * v)));
     }
@@ -417,14 +421,11 @@ inline void values16_for(const Staged16& st, const Task& t, const Span& s, const
   }
   flush16<NV, C2>(acc, oi);
   // Each dim's two lanes (even / odd tokens) join; 1 / the row's sum and V's scale come in.
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int v = 0; v < NV; ++v) {
     const __m512 f = _mm512_set1_ps(st.vinv[t.r * a.Hkv + t.h] * inv_sum[v0 + v]);
     for (int c = 0; c < C2; ++c) {
       const __m512 x = _mm512_load_ps(oi + v * 2 * D + 32 * c), y = _mm512_load_ps(oi + v * 2 * D + 32 * c + 16);
-      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(x, even, y), _mm512_permutex2var_ps(x, odd, y));
-      _mm512_storeu_ps(of + (v0 + v) * D + 16 * c, _mm512_mul_ps(sum, f));
+      _mm512_storeu_ps(of + (v0 + v) * D + 16 * c, _mm512_mul_ps(pair_sums(x, y), f));
     }
   }
 }
@@ -498,7 +499,7 @@ void attend16(const Staged16& st, const Task& t, const float* qf, float* S, uint
   }
 }
 
-// Whether a head_dim has the fp16 kernel (a multiple of 32: a K row of 32 tokens, a V row of 32 dims per vector).
+// Whether a head_dim has the fp16 kernel (a multiple of 32: a V pair row is D / 16 vectors, q converts 16 at a time).
 constexpr bool fp16_dims(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128 || D == 256; }
 
 // attend16<D / 16>; false where the head_dim has no fp16 kernel.

@@ -1,7 +1,13 @@
-// Throughput of fp16 FMAs (AVX512-FP16) by how the broadcast operand arrives, one thread: why the paged
-// attention kernel's fp16 path (layers/csrc/attention_fp16.h) broadcasts 32-bit pairs.
+// Throughput of fp16 FMAs (AVX512-FP16) by how the broadcast operand arrives, one thread: why the fp16 kernels
+// (layers/csrc/attention_fp16.h, fma_linear_cpu.cpp) broadcast 32-bit pairs or embed the broadcast, never
+// vpbroadcastw.
 //   g++ -O2 -march=native bench/fma_broadcast.cpp -o /tmp/fma_broadcast && taskset -c 0 /tmp/fma_broadcast
-// Each loop keeps 16 independent accumulators in registers; figures are G FMA instructions per second.
+// On the project's AMX-less VM (2026-12-02, both cores): registers 5.5-5.7; an embedded {1to32} broadcast 5.3-5.7;
+// vpbroadcastd per 2 FMAs 5.0-5.7; a vector load and a vpbroadcastd per 4 FMAs 4.9-5.8; vpbroadcastw per 2 FMAs
+// 3.4-3.6 (it is a load and a shuffle, and the shuffle takes a port the FMAs need). 5.6 G/s is 2 FMAs a cycle.
+// Each loop keeps 16 independent accumulators in registers; figures are G FMA instructions per second. Every FMA
+// is an asm statement: written as intrinsics, the compiler merges accumulators that see the same updates (a first
+// version of this file timed 1, 8 and 4 FMAs per iteration where it counted 16).
 #include <immintrin.h>
 
 #include <chrono>
@@ -16,11 +22,12 @@ double run(long iters) {
 #define DECL(j) __m512h a##j = _mm512_setzero_ph();
   ACCS(DECL)
   const __m512h k = _mm512_set1_ph(static_cast<_Float16>(0.001f));
+#define FMA(acc, x, y) asm volatile("vfmadd231ph %2, %1, %0" : "+v"(acc) : "v"(x), "v"(y))
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < iters; ++i) {
     const _Float16* q = mem + (i & 63) * 16;
     if constexpr (MODE == 0) {  // register operands only
-#define REG(j) a##j = _mm512_fmadd_ph(k, k, a##j);
+#define REG(j) FMA(a##j, k, k);
       ACCS(REG)
     } else if constexpr (MODE == 1) {  // a 16-bit embedded broadcast per FMA ({1to32})
 #define EMB(j) asm volatile("vfmadd231ph %c2(%1)%{1to32%}, %3, %0" : "+v"(a##j) : "r"(q), "i"(2 * j), "v"(k));
@@ -31,8 +38,8 @@ double run(long iters) {
     __m512h b;                                                                             \
     if constexpr (MODE == 2) asm volatile("vpbroadcastw %c1(%2), %0" : "=v"(b) : "i"(2 * j), "r"(q)); \
     else asm volatile("vpbroadcastd %c1(%2), %0" : "=v"(b) : "i"(4 * j), "r"(q));         \
-    x = _mm512_fmadd_ph(b, k, x);                                                          \
-    y = _mm512_fmadd_ph(b, k, y);                                                          \
+    FMA(x, b, k);                                                                          \
+    FMA(y, b, k);                                                                          \
   }
       BC(0, a0, a1) BC(1, a2, a3) BC(2, a4, a5) BC(3, a6, a7) BC(4, a8, a9) BC(5, a10, a11) BC(6, a12, a13)
       BC(7, a14, a15)
@@ -42,8 +49,8 @@ double run(long iters) {
     __m512h v, b;                                                                     \
     asm volatile("vmovdqu16 %c1(%2), %0" : "=v"(v) : "i"(64 * j), "r"(q));            \
     asm volatile("vpbroadcastd %c1(%2), %0" : "=v"(b) : "i"(4 * j), "r"(q));          \
-    w = _mm512_fmadd_ph(b, v, w), x = _mm512_fmadd_ph(b, v, x);                       \
-    y = _mm512_fmadd_ph(b, v, y), z = _mm512_fmadd_ph(b, v, z);                       \
+    FMA(w, b, v); FMA(x, b, v);                                                       \
+    FMA(y, b, v); FMA(z, b, v);                                                       \
   }
       LB(0, a0, a1, a2, a3) LB(1, a4, a5, a6, a7) LB(2, a8, a9, a10, a11) LB(3, a12, a13, a14, a15)
     }

@@ -18,8 +18,8 @@
 //   - p.v: one 32-bit broadcast of (p_2i, p_2i+1) times a V pair row (16 dims) is one FMA. Every 32 pairs the fp16
 //     sums (below 32 * 2^10 per lane) join fp32 ones, still a lane per token parity; the parities join at the end,
 //     where 1 / the row's sum and V's scale come in.
-// Why the pairs: a 16-bit broadcast (embedded or vpbroadcastw) takes a shuffle port the FMAs need, while a 32-bit
-// one is a plain load (a register loop here: 0.55x the FMA rate against 0.87x).
+// Why 32-bit broadcasts: a vpbroadcastw is a load and a shuffle on a port the FMAs need, where a vpbroadcastd is a
+// plain load (register loops, bench/fma_broadcast.cpp: 0.63x the FMA rate against 0.9-1.0x).
 // `python bench/kernels.py` ("prefill attention sums"), SmolLM2's heads (9 q, 3 kv, 64 dims), 2,048-row chunks
 // after 0-4,096 tokens: 1.6-1.8x faster than the fp32 sums (the layout of 16-bit broadcasts before: 1.3-1.6x);
 // mean error against fp64 1.35x theirs (both mostly the output's bf16 rounding).
@@ -243,8 +243,8 @@ inline float query_to_fp16(const float* f, int64_t D, _Float16* out) {
   return 1.f / s;
 }
 
-// The 32-bit word at p (an fp16 pair) in every lane: a plain load (vpbroadcastd), where a 16-bit broadcast would
-// also take a shuffle port, which the FMAs need.
+// The 32-bit word at p (an fp16 pair) in every lane: a plain load (vpbroadcastd), where a vpbroadcastw would also
+// take a shuffle port, which the FMAs need.
 PAGELLM_INLINE __m512h pair_bcast(const void* p) {
   int32_t w;
   std::memcpy(&w, p, sizeof(w));

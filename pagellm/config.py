@@ -110,6 +110,10 @@ class EngineConfig:
     # 32 products before they join an fp32 sum (as torch's allow_fp16_reduced_precision_reduction allows partial
     # sums in fp16): ~1.6x the speed of fp32 FMAs. False: fp32 sums throughout
     reduced_precision_reduction: bool = True
+    # bf16 from a GGUF file on CPU: linears with at most 4 rows (decode with a few requests) read the file's Q4_1 /
+    # Q8_0 blocks, a third / half of bf16's bytes, as the exact fp32 weights (layers/quantized.py). False: the
+    # dequantized bf16 weights only
+    gguf_quantized_linears: bool = True
 
     # Derived by finalize():
     torch_dtype: torch.dtype = field(default=torch.float32, init=False)
@@ -136,6 +140,8 @@ class EngineConfig:
         if not isinstance(self.reduced_precision_reduction, bool):
             raise ValueError(f"reduced_precision_reduction must be True or False, "
                              f"got {self.reduced_precision_reduction!r}")
+        if not isinstance(self.gguf_quantized_linears, bool):
+            raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):

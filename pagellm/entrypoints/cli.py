@@ -21,6 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reduced-precision-reduction", dest="reduced_precision_reduction", action="store_false",
                    help="bf16 linears sum in fp32 only (by default, on AVX512-FP16 CPUs without AMX, partial sums of "
                         "32 products run in fp16)")
+    p.add_argument("--no-gguf-quantized-linears", dest="gguf_quantized_linears", action="store_false",
+                   help="bf16 from a GGUF file: linears use only the dequantized weights (by default, at up to 4 "
+                        "rows they read the file's Q4_1 / Q8_0 blocks)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
     p.add_argument("--seed", type=int, default=0)
@@ -32,7 +35,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
-                reduced_precision_reduction=a.reduced_precision_reduction, preemption_mode=a.preemption_mode,
+                reduced_precision_reduction=a.reduced_precision_reduction,
+                gguf_quantized_linears=a.gguf_quantized_linears, preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, seed=a.seed)
 
 

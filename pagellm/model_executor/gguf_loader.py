@@ -37,6 +37,8 @@ import transformers
 import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
+from pagellm.model_executor.layers.quantized import BLOCK_BYTES, GGUFWeight
+
 logger = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` -> (transformers model_type, HF architecture class name)
@@ -423,8 +425,11 @@ def gguf_tokenizer(
 
 def load_gguf(
     path: pathlib.Path, dtype: torch.dtype
-) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None]:
-    """``(config, hf_architecture, weights, tokenizer)`` from a single GGUF file."""
+) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None,
+           dict[str, GGUFWeight]]:
+    """``(config, hf_architecture, weights, tokenizer, quantized)`` from a single GGUF file. ``quantized``: the
+    linear weights (and embeddings) stored as Q4_1 or Q8_0, in the file's blocks (HF names; rows un-permuted as
+    the dequantized weights), for the linears' few-row kernel (layers/quantized.py)."""
     gguf_file = open_gguf(path)
     meta = read_metadata(gguf_file)
     arch, _, hf_arch = gguf_architecture(meta, path)
@@ -432,6 +437,7 @@ def load_gguf(
     config = gguf_config(meta, shapes, path)
 
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, GGUFWeight] = {}
     for tensor in gguf_file.tensors:
         if tensor.name in _IGNORED_TENSORS:
             logger.warning(
@@ -446,12 +452,27 @@ def load_gguf(
                 f"(unsupported model variant?); supported: {_supported_list()}"
             )
         arr = dequantize_tensor(tensor, path)
-        if arch in PERMUTED_QK_ARCHITECTURES:
-            part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-            if part == "attn_q":
-                arr = reverse_permute_qk(arr, config.num_attention_heads)
-            elif part == "attn_k":
-                arr = reverse_permute_qk(arr, config.num_key_value_heads)
+        blocks = _gguf_blocks(tensor, hf_name)
+        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
+        if arch in PERMUTED_QK_ARCHITECTURES and heads:
+            arr = reverse_permute_qk(arr, heads)
+            blocks = None if blocks is None else (blocks[0], reverse_permute_qk(blocks[1], heads))
         weights[hf_name] = _to_torch(arr, dtype)
+        if blocks is not None:
+            quantized[hf_name] = GGUFWeight.from_blocks(blocks[0], torch.from_numpy(blocks[1]))
+    if not getattr(config, "tie_word_embeddings", False):
+        quantized.pop("model.embed_tokens.weight", None)  # an embedding only; the LM head has its own weight
     tokenizer = gguf_tokenizer(path, config, meta)
-    return config, hf_arch, weights, tokenizer
+    return config, hf_arch, weights, tokenizer, quantized
+
+
+def _gguf_blocks(tensor: GGUFTensor, hf_name: str) -> tuple[str, np.ndarray] | None:
+    """A 2-D Q4_1 or Q8_0 linear weight (or embedding) as (kind, uint8 [rows, K/32 * block bytes]): each row's
+    blocks as stored; else None."""
+    kind = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}.get(tensor.tensor_type)
+    linear = hf_name.startswith("model.layers.") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+    if kind is None or len(tensor.shape) != 2 or tensor.shape[1] % 32 or not (linear and hf_name.endswith(".weight")):
+        return None
+    rows = tensor.shape[0]
+    return kind, np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // 32 * BLOCK_BYTES[kind])

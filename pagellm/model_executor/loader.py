@@ -12,12 +12,13 @@ import json
 import logging
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
 
 from pagellm.model_executor import gguf_loader
+from pagellm.model_executor.layers.quantized import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]  # HF parameter names, requested dtype, CPU; no lm_head when tied
     tokenizer: transformers.PreTrainedTokenizerBase | None
     source: str  # resolved path
+    # a GGUF's Q4_1 / Q8_0 linear weights in their blocks, by HF name (next to their dequantized copies in weights)
+    quantized: dict[str, GGUFWeight] = field(default_factory=dict)
 
     @property
     def is_gguf(self) -> bool:
@@ -168,12 +171,13 @@ def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | 
         dtype = _parse_dtype(dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point torch.dtype or 'auto', got {dtype!r}")
+    quantized: dict[str, GGUFWeight] = {}
     if path.is_file():
-        config, architecture, weights, tokenizer = gguf_loader.load_gguf(path, dtype)
+        config, architecture, weights, tokenizer, quantized = gguf_loader.load_gguf(path, dtype)
     else:
         config, architecture, weights, tokenizer = _load_hf_dir(path, dtype)
     _finalize_weights(weights, config, architecture, path)
-    return LoadedCheckpoint(config, architecture, weights, tokenizer, str(path))
+    return LoadedCheckpoint(config, architecture, weights, tokenizer, str(path), quantized)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ benchmark on 2026-12-02 (another moment, compare within it):
   stream   10.9   17.1      -      -      -      -      -
 fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
 the reference's.
+A weight loaded from a GGUF file's Q4_1 / Q8_0 blocks also keeps those blocks (``set_gguf``, layers/quantized.py),
+and up to GEMV_MAX_ROWS rows the kernel on them (``csrc/gguf_linear_cpu.cpp``) comes first: a third / half of
+bf16's bytes to stream, each weight its exact fp32 value (single-request TPOT 0.61-0.73x on the AMX-less VM).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagellm.model_executor.layers.quantized import GGUFWeight
 
 logger = logging.getLogger("pagellm")
 
@@ -69,6 +74,7 @@ class CPUKernels:
     fma: Callable | None = None  # torch.ops.pagellm.fma_linear (AVX-512 without AMX)
     fma_silu_mul: Callable | None = None  # torch.ops.pagellm.fma_linear_silu_mul (with fma)
     fma_fp16: bool = False  # the FMA kernel on an fp16 copy of the weight (pack_fp16): AVX512-FP16
+    gguf: Callable | None = None  # torch.ops.pagellm.gguf_linear: up to GEMV_MAX_ROWS rows on a GGUF file's blocks
 
     @property
     def name(self) -> str:
@@ -112,6 +118,9 @@ class CPULinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
+        self.kernels = kernels
+        # the weight in a GGUF file's blocks where it came from one (set_gguf): the kernel for up to GEMV_MAX_ROWS rows
+        self.gguf: GGUFWeight | None = None
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -129,9 +138,22 @@ class CPULinear(nn.Module):
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
 
+    def set_gguf(self, q: GGUFWeight | None) -> bool:
+        """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
+        shapes match; returns whether it will."""
+        if (q is None or self.kernels.gguf is None or q.shape != tuple(self.weight.shape)
+                or self.weight.dtype != torch.bfloat16):
+            return False
+        self.gguf = q
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
+            if self.gguf is not None and rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
+                out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+                self.kernels.gguf(x, self.gguf.qs, self.gguf.scales, self.bias, out)
+                return out
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 self.tiled(x, self.amx_weight, self.bias, out, *self.tiled_args)
@@ -150,6 +172,8 @@ class CPULinear(nn.Module):
         steps); None where that does not apply (no tile kernel, rows it does not take, x not row-major, an
         intermediate size that is not a multiple of 16)."""
         rows, inter = x.shape[0], self.weight.shape[0] // 2
+        if self.gguf is not None and rows <= GEMV_MAX_ROWS:
+            return None  # forward's GGUF kernel, then silu_and_mul
         if (self.tiled_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
             return None
@@ -177,10 +201,11 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = amx_silu_mul = gemv = fma = fma_silu_mul = None
+    amx = amx_silu_mul = gemv = fma = fma_silu_mul = gguf = None
     fma_fp16 = False
     if dtype == torch.bfloat16:
         try:
+            gguf = ops.gguf_linear.default if ops.gguf_linear_supported() else None
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
             elif ops.fma_linear_supported():
@@ -190,7 +215,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, gguf)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -5,6 +5,7 @@ import torch
 
 from pagellm.model_executor.layers.attention import AttentionBackend
 from pagellm.model_executor.layers.linear import cpu_kernels
+from pagellm.model_executor.layers.quantized import GGUFWeight
 from pagellm.model_executor.models.llama import LlamaForCausalLM
 
 # Every supported architecture is a Llama-family decoder with small switches (see models/llama.py).
@@ -18,9 +19,11 @@ MODEL_CLASSES = {
 
 def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, backend: AttentionBackend, max_position: int,
-                reduced_precision_reduction: bool = True) -> LlamaForCausalLM:
+                reduced_precision_reduction: bool = True,
+                quantized: dict[str, GGUFWeight] | None = None) -> LlamaForCausalLM:
     """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights.
-    reduced_precision_reduction: see EngineConfig."""
+    reduced_precision_reduction: see EngineConfig. quantized: a GGUF's weights in their blocks by HF name
+    (LoadedCheckpoint.quantized), for the few-row linears where the CPU kernels run."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
     old = torch.get_default_dtype()
@@ -38,5 +41,5 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
         # the paged kernel's fp16 sums for prefill chunks (fp32 keeps fp32 sums: HF-exact)
         backend.fp16_sums = reduced_precision_reduction and bool(backend.ops.paged_attention_fp16_supported())
     if kernels is not None:
-        model.use_cpu_kernels(kernels)
+        model.use_cpu_kernels(kernels, quantized)
     return model.eval()

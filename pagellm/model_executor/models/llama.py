@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from pagellm.model_executor.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, CPUKernels, CPULinear, replace_linears
+from pagellm.model_executor.layers.quantized import GGUFWeight
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -218,14 +219,32 @@ class LlamaForCausalLM(nn.Module):
                                     meta.query_start_loc, bool(meta.prefill_rows), c and c.blocks, c and c.rows,
                                     c and c.kv_start, *(keep or (None, None, None)))
 
-    def use_cpu_kernels(self, kernels: CPUKernels) -> None:
+    def use_cpu_kernels(self, kernels: CPUKernels, quantized: dict[str, GGUFWeight] | None = None) -> None:
         """CPU decode speed: every linear layer and the LM head get a pre-packed weight (see layers/linear), and,
-        where the C++ decoder covers the model (bf16 on AMX or AVX-512, no q/k norms), the layer loop runs in C++."""
+        where the C++ decoder covers the model (bf16 on AMX or AVX-512, no q/k norms), the layer loop runs in C++.
+        quantized: a GGUF file's weights in their blocks by HF name, fused as load_weights fuses the parameters, for
+        the few-row path (layers/quantized.py)."""
         replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
         self.linear_kernels = kernels.name
+        if quantized and self._use_gguf_blocks(quantized):
+            self.linear_kernels += "+gguf"
         self.decoder = self._build_decoder()
+
+    def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:
+        """Hands each linear whose every part is in ``quantized`` its (fused) blocks; whether any took them."""
+        parts = {"self_attn.qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"], "self_attn.o_proj": ["self_attn.o_proj"],
+                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
+        head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        took = self.fast_lm_head.set_gguf(quantized.get(head))
+        for i, layer in enumerate(self.layers):
+            for name, sources in parts.items():
+                found = [quantized.get(f"model.layers.{i}.{src}.weight") for src in sources]
+                linear = layer.get_submodule(name)
+                if all(found) and isinstance(linear, CPULinear):
+                    took |= linear.set_gguf(GGUFWeight.cat(found))
+        return took
 
     def _build_decoder(self):
         """The C++ layer loop over this model's weights, or None where it does not apply (the Python loop runs)."""
@@ -239,12 +258,14 @@ class LlamaForCausalLM(nn.Module):
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
                                                      backend.max_query(torch.bfloat16), GEMV_MAX_ROWS,
                                                      backend.fp16_sums)
-        no_bias = torch.empty(0, dtype=torch.bfloat16)
+        no_bias, no_blocks = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias]
+                q = lin.gguf
+                tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias,
+                            no_blocks if q is None else q.qs, no_blocks if q is None else q.scales]
             decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0,
                               [lin.w_inv for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)])
         return decoder

@@ -15,7 +15,8 @@
 //   product in the tile GEMM's epilogue (amx_linear_silu_mul, fma_linear_silu_mul)
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
-// kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree).
+// kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree); a linear
+// with a GGUF file's blocks takes them up to 4 rows (gguf_linear_cpu.cpp).
 // Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
 // for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -37,6 +38,7 @@ struct Linear {
   at::Tensor packed, weight;  // AMX B-tile order (layers/linear.py: pack_amx, or pack_fp16), and plain [N, K]
   c10::optional<at::Tensor> bias;
   double w_inv = 1.0;  // an fp16 packed weight's scale (pack_fp16), for the FMA kernel
+  at::Tensor gguf_qs, gguf_scales;  // a GGUF's blocks (layers/quantized.py: GGUFWeight), undefined if none
 };
 
 struct Layer {
@@ -58,20 +60,24 @@ class LlamaDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16 or AVX-512");
   }
 
-  // weights: input_norm, post_norm, then (packed, plain, bias) for qkv, o, gate_up, down; an empty bias: none.
-  // w_inv: the four packed weights' scales (1 but for the FMA kernel's fp16 copies, which it needs AVX512-FP16 for).
+  // weights: input_norm, post_norm, then (packed, plain, bias, GGUF qs, GGUF scales) for qkv, o, gate_up, down;
+  // an empty bias: none, empty GGUF tensors: none. w_inv: the four packed weights' scales (1 but for the FMA
+  // kernel's fp16 copies, which it needs AVX512-FP16 for).
   void add_layer(std::vector<at::Tensor> w, int64_t window, std::vector<double> w_inv) {
-    TORCH_CHECK(w.size() == 14 && w_inv.size() == 4, "add_layer: 14 tensors and 4 scales, got ", w.size(), ", ",
+    TORCH_CHECK(w.size() == 22 && w_inv.size() == 4, "add_layer: 22 tensors and 4 scales, got ", w.size(), ", ",
                 w_inv.size());
-    for (size_t i = 0; i < w.size(); ++i)
-      TORCH_CHECK(w[i].scalar_type() == at::kBFloat16 || (i % 3 == 2 && !amx_ && w[i].scalar_type() == at::kHalf),
-                  "LlamaDecoder: bfloat16 weights only (the FMA kernel's packed copies may be fp16)");
+    TORCH_CHECK(w[0].scalar_type() == at::kBFloat16 && w[1].scalar_type() == at::kBFloat16, "bfloat16 norms only");
     auto linear = [&](size_t i) {
-      Linear l{w[i], w[i + 1], c10::nullopt, w_inv[(i - 2) / 3]};
+      TORCH_CHECK(w[i].scalar_type() == at::kBFloat16 || (!amx_ && w[i].scalar_type() == at::kHalf),
+                  "LlamaDecoder: bfloat16 weights only (the FMA kernel's packed copies may be fp16)");
+      TORCH_CHECK(w[i + 1].scalar_type() == at::kBFloat16 && w[i + 2].scalar_type() == at::kBFloat16,
+                  "LlamaDecoder: bfloat16 weights and biases only");
+      Linear l{w[i], w[i + 1], c10::nullopt, w_inv[(i - 2) / 5]};
       if (w[i + 2].numel() > 0) l.bias = w[i + 2];
+      if (w[i + 3].numel() > 0) l.gguf_qs = w[i + 3], l.gguf_scales = w[i + 4];
       return l;
     };
-    Layer layer{w[0], w[1], linear(2), linear(5), linear(8), linear(11), window};
+    Layer layer{w[0], w[1], linear(2), linear(7), linear(12), linear(17), window};
     TORCH_CHECK(layer.qkv.weight.size(0) == (H_ + 2 * Hkv_) * D_ && layer.gate_up.weight.size(0) == 2 * I_,
                 "add_layer: weight shapes do not match the model's");
     layers_.push_back(std::move(layer));
@@ -193,8 +199,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
     else add_rms_norm(h, residual, weight, eps_);
   }
 
+  bool takes_gguf(const Linear& l, int64_t rows) const { return l.gguf_qs.defined() && rows <= kGGUFMaxRows; }
+
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
-    if (x.size(0) <= gemv_max_rows_) {
+    if (takes_gguf(l, x.size(0))) {
+      PAGELLM_RANGE("pagellm::gguf_linear");
+      gguf_linear(x, l.gguf_qs, l.gguf_scales, l.bias, out);
+    } else if (x.size(0) <= gemv_max_rows_) {
       PAGELLM_RANGE("pagellm::small_m_linear");
       small_m_linear(x, l.weight, l.bias, out);
     } else if (x.size(0) <= amx_max_rows_ && amx_) {
@@ -217,7 +228,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // 6 process pairs: median 456 against 501 ms (docs/performance.md).
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
-    if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0) {
+    if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0 && !takes_gguf(l, T)) {
       if (amx_) {
         PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
         amx_linear_silu_mul(h, l.packed, l.bias, act);
@@ -247,6 +258,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   bool amx_;               // the AMX linear kernels, else the FMA one
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
+  static constexpr int64_t kGGUFMaxRows = 4;  // a linear with GGUF blocks takes them up to this many rows
   std::vector<Layer> layers_;
 };
 

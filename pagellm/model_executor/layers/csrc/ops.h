@@ -16,6 +16,9 @@ void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
                          at::Tensor out);
 bool small_m_linear_supported();
 void small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor out);
+bool gguf_linear_supported();
+void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias, at::Tensor out);
 bool fma_linear_supported();
 bool fma_linear_fp16_supported();
 void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out,

@@ -3,7 +3,8 @@
     .venv/bin/python bench/kernels.py            # ~1 min; figures quoted in layers/linear.py and cpu_attention.py
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
-several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed); the fused
+several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed), and on GGUF
+blocks at 1 and 4 rows against the streaming kernel; the fused
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
@@ -28,6 +29,7 @@ from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa:
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
 from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels, pack_amx  # noqa: E402
+from pagellm.model_executor.layers.quantized import BLOCK_BYTES, GGUFWeight  # noqa: E402
 
 
 def best_ms(fs: dict, rounds: int = 5, digits: int = 2) -> dict:
@@ -166,6 +168,32 @@ def gate_up_silu(ops) -> None:
         }))
 
 
+def gguf_blocks(ops) -> None:
+    """A decode step's 120 layer linears and LM head at 1 and 4 rows on GGUF blocks (Q4_1 layers, a Q8_0 head, as
+    the default model's file; random blocks) against the bf16 streaming kernel on the same weights dequantized."""
+    if not (ops.gguf_linear_supported() and ops.small_m_linear_supported()):
+        return
+    g = torch.Generator().manual_seed(0)
+
+    def blocks(kind, n, k):  # random quants, d (and m) in the model's range
+        raw = torch.randint(0, 256, (n * k // 32, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
+        raw[:, 0:2] = (torch.rand(n * k // 32, 1, generator=g) * 0.01).half().view(torch.uint8)
+        if kind == "q4_1":
+            raw[:, 2:4] = (-torch.rand(n * k // 32, 1, generator=g) * 0.1).half().view(torch.uint8)
+        return GGUFWeight.from_blocks(kind, raw.reshape(n, -1))
+
+    shapes = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 576, 1536)] * 30
+    ws = [blocks(kind, n, k) for kind, n, k in shapes] + [blocks("q8_0", 49152, 576)]
+    dense = [w.dequantize().bfloat16() for w in ws]
+    for rows in (1, 4):
+        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in ws]
+        emit(bench="a decode step's linears (120 + LM head) on GGUF blocks, ms", rows=rows, **best_ms({
+            "gguf_blocks": lambda: [ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o) for w, o in zip(ws, outs)],
+            "bf16_streaming": lambda: [ops.small_m_linear(xs[d.shape[1]], d, None, o) for d, o in zip(dense, outs)],
+        }, rounds=10))
+
+
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm
     res = h + r
     x = res.float()
@@ -184,6 +212,7 @@ if __name__ == "__main__":
     ops = load_extension()
     torch.manual_seed(0)
     linears(ops)
+    gguf_blocks(ops)
     small_ops(ops)
     gate_up_silu(ops)
     attention()

@@ -40,6 +40,8 @@ class GGUFWeight:
         """Rows stacked, as ``torch.cat`` of the weights (fused q/k/v, gate/up); None for parts of different kinds."""
         if len({p.kind for p in parts}) != 1:
             return None
+        if len(parts) == 1:
+            return parts[0]
         return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]))
 
     @property

@@ -16,7 +16,7 @@
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
 // kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree); a linear
-// with a GGUF file's blocks takes them up to 4 rows (gguf_linear_cpu.cpp).
+// with a GGUF file's blocks takes them up to gemv_max_rows rows, with AMX too (gguf_linear_cpu.cpp).
 // Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
 // for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -56,7 +56,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
         fp16_sums_(attention_fp16_sums), amx_(amx_linear_supported()),
-        gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0) {
+        gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0), gguf_max_rows_(gemv_max_rows) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16 or AVX-512");
   }
 
@@ -199,7 +199,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
     else add_rms_norm(h, residual, weight, eps_);
   }
 
-  bool takes_gguf(const Linear& l, int64_t rows) const { return l.gguf_qs.defined() && rows <= kGGUFMaxRows; }
+  bool takes_gguf(const Linear& l, int64_t rows) const { return l.gguf_qs.defined() && rows <= gguf_max_rows_; }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
@@ -258,7 +258,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   bool amx_;               // the AMX linear kernels, else the FMA one
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
-  static constexpr int64_t kGGUFMaxRows = 4;  // a linear with GGUF blocks takes them up to this many rows
+  int64_t gguf_max_rows_;  // a linear with GGUF blocks takes them up to this many rows (CPULinear's GEMV_MAX_ROWS)
   std::vector<Layer> layers_;
 };
 

@@ -155,7 +155,8 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
                 "bias: bfloat16 [", N, "]");
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  std::vector<float> xf(M * K);
+  thread_local std::vector<float> xf;  // the calling thread's; kept between calls (121 of them per decode step)
+  xf.resize(M * K);
   const bf16* xp = x.data_ptr<bf16>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xf.data() + m * K + k, load16(xp + m * x.stride(0) + k));

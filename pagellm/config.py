@@ -114,6 +114,11 @@ class EngineConfig:
     # Q8_0 blocks, a third / half of bf16's bytes, as the exact fp32 weights (layers/quantized.py). False: the
     # dequantized bf16 weights only
     gguf_quantized_linears: bool = True
+    # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
+    # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-
+    # 135M), so chunks deep into a long prompt shrink and a step takes about as long whatever the context (the
+    # decodes in it wait less). False: every token counts one (vLLM's budget)
+    attention_aware_budget: bool = True
 
     # Derived by finalize():
     torch_dtype: torch.dtype = field(default=torch.float32, init=False)
@@ -142,6 +147,8 @@ class EngineConfig:
                              f"got {self.reduced_precision_reduction!r}")
         if not isinstance(self.gguf_quantized_linears, bool):
             raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
+        if not isinstance(self.attention_aware_budget, bool):
+            raise ValueError(f"attention_aware_budget must be True or False, got {self.attention_aware_budget!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):

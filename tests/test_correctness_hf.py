@@ -125,3 +125,20 @@ def test_tiny_no_chunked_prefill_matches_hf(tiny_expected):
     outs, got = run_engine(llm, prompts, MAX_NEW)
     assert got == expected
     assert all(o.metrics["num_prefill_chunks"] == 1 for o in outs)
+
+
+
+def test_tiny_attention_aware_chunks_match_hf(tiny_expected):
+    """A small budget with the attention-aware cost (the default) shrinks the chunks of the longer prompts as their
+    context grows (the tiny model's A is 288 keys); the tokens stay HF's either way."""
+    path, prompts, expected = tiny_expected("llama")
+    chunks = {}
+    for aware in (True, False):
+        llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_batched_tokens=64,
+                  attention_aware_budget=aware)
+        assert llm.llm_engine.scheduler.attention_keys_per_token == (288.0 if aware else None)
+        outs, got = run_engine(llm, prompts, MAX_NEW)
+        assert got == expected
+        assert pool_is_whole(llm)
+        chunks[aware] = outs[-1].metrics["num_prefill_chunks"]  # the 250-token prompt
+    assert chunks[True] > chunks[False]

@@ -38,9 +38,15 @@ def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
     return req
 
 
-def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, budget: int, chunked: bool) -> Scheduler:
+def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, budget: int, chunked: bool,
+                   keys: float | None = None) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+                     max_num_batched_tokens=budget, enable_chunked_prefill=chunked, attention_keys_per_token=keys)
+
+
+# The attention-aware budget's A (None: every token counts one); small values make chunks shrink within the
+# short prompts used here.
+KEYS = st.sampled_from([None, None, 1.0, 8.0, 64.0])
 
 
 @st.composite
@@ -54,20 +60,25 @@ def request_shape(draw, capacity: int):
 def step_and_check(sched: Scheduler, finished: list[Request] | None = None) -> SchedulerOutput:
     """One engine step: schedule, check the per-step properties, then simulate sampling.
 
-    Per-step properties: the token budget and max_num_seqs hold; every scheduled request is running and scheduled
-    once with >= 1 token from where it stood; preemption takes the youngest running requests (a suffix of the
-    running list, never the oldest), puts them at the front of the waiting queue reset to zero, and blocks any
-    admission in that step; and there is progress whenever something is unfinished (no deadlock).
+    Per-step properties: the token budget (with the attention-aware cost when the scheduler has one) and
+    max_num_seqs hold; every scheduled request is running and scheduled once with >= 1 token from where it
+    stood; running decodes are never left out for a prefill chunk while the budget has room for them and the
+    oldest request's token; the oldest running request always computes; preemption takes the youngest running
+    requests (a suffix of the running list, never the oldest), puts them at the front of the waiting queue reset
+    to zero, and blocks any admission in that step; and there is progress whenever something is unfinished (no
+    deadlock).
     """
     running_before = list(sched.running)
     waiting_before = list(sched.waiting)
     computed_before = {id(r): r.num_computed_tokens for r in running_before + waiting_before}
+    decodes_before = [r for r in running_before if r.num_tokens - r.num_computed_tokens == 1]
     had_work = sched.has_unfinished()
 
     out = sched.schedule()
 
     # budget, seqs, progress
     assert out.total_num_tokens <= sched.max_num_batched_tokens
+    assert sum(sched.cost(s.num_tokens, s.start) for s in out.scheduled) <= sched.max_num_batched_tokens + 1e-9
     assert len(sched.running) <= sched.max_num_seqs
     assert not had_work or not out.is_empty, "unfinished requests but nothing scheduled: deadlock"
     # each scheduled request: running, once, >= 1 token, starting at its computed count, within its tokens
@@ -84,6 +95,12 @@ def step_and_check(sched: Scheduler, finished: list[Request] | None = None) -> S
     # scheduled in running order (oldest first); the running list only grows at its end
     pos = {id(r): k for k, r in enumerate(sched.running)}
     assert [pos[id(s.request)] for s in out.scheduled] == sorted(pos[id(s.request)] for s in out.scheduled)
+    # decodes first; the oldest running request always computes
+    scheduled = {id(s.request) for s in out.scheduled}
+    if not out.preempted and len(decodes_before) < sched.max_num_batched_tokens:
+        assert all(id(r) in scheduled for r in decodes_before), "a decode was left out for a prefill chunk"
+    if running_before and not (out.preempted and out.preempted[-1] is running_before[0]):
+        assert id(running_before[0]) in scheduled, "the oldest running request computed nothing"
     # preemption
     if out.preempted:
         victims = out.preempted
@@ -189,7 +206,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             # Without chunking a request is prefilled whole: the budget must cover the longest request.
             budget = data.draw(st.integers(min(MAX_PROMPT + MAX_GEN, self.capacity), 300), label="budget")
         max_num_seqs = data.draw(st.integers(1, 8), label="max_num_seqs")
-        self.sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, self.CHUNKED)
+        keys = data.draw(KEYS, label="attention_keys_per_token")
+        self.sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, self.CHUNKED, keys)
         self.requests: list[Request] = []
 
     def unfinished(self) -> list[Request]:
@@ -287,7 +305,7 @@ def workload(draw):
     max_num_seqs = draw(st.integers(1, 8))
     shapes = draw(st.lists(request_shape(cap), min_size=1, max_size=10))
     arrivals = draw(st.lists(st.integers(0, 15), min_size=len(shapes), max_size=len(shapes)).map(sorted))
-    return num_blocks, block_size, chunked, budget, max_num_seqs, shapes, arrivals
+    return num_blocks, block_size, chunked, budget, max_num_seqs, shapes, arrivals, draw(KEYS)
 
 
 @settings(max_examples=150, deadline=None)
@@ -295,8 +313,8 @@ def workload(draw):
 def test_every_request_finishes_within_bound(w):
     """No aborts: stepping always finishes every request (no deadlock, no livelock) within a bounded number of
     steps, each with exactly max_tokens outputs, and leaves the pool empty."""
-    num_blocks, block_size, chunked, budget, max_num_seqs, shapes, arrivals = w
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, chunked)
+    num_blocks, block_size, chunked, budget, max_num_seqs, shapes, arrivals, keys = w
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, chunked, keys)
     reqs = [make_request(i, p, m) for i, (p, m) in enumerate(shapes)]
     bound = arrivals[-1] + 1 + step_bound(reqs)
     step = 0

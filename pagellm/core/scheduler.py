@@ -2,9 +2,21 @@
 
 Each step every scheduled request closes part of its gap ``num_tokens - num_computed_tokens``:
 
-    running (admission order):  r0 [gap 1]  r1 [gap 1]  r2 [gap 700, prefilling]     budget 512
-    -> r0: 1, r1: 1, r2: 510 (a chunk; r2 samples nothing this step)
+    running (admission order):  r0 [gap 1]  r1 [gap 700, prefilling]  r2 [gap 1]     budget 512
+    -> r0: 1, r1: 509 (a chunk; r1 samples nothing this step), r2: 1
     waiting (FCFS): admitted only while budget, max_num_seqs and free blocks allow.
+
+Decodes come first: a prefill chunk gets only what the running decodes behind it leave (r1 above keeps r2's
+token), so a long prompt never stalls the requests already generating. The oldest running request always gets at
+least one token, so it cannot starve.
+
+Attention-aware budget (``attention_keys_per_token`` = A): a prefill chunk's attention grows with the context it
+attends to, and 2,048 tokens deep into a 7,000-token prompt cost several times a fresh 2,048-token prompt (the
+step every generating request waits for). So a chunk of n tokens after c computed ones counts
+``n + (n c + n (n + 1) / 2) / A`` against the budget: each token its linear layers plus its keys' attention, A
+keys costing as much as one token's linears (the model's FLOPs ratio: 3,072 for SmolLM2-135M). The chunk is the
+longest that fits; fresh short prompts are barely affected, deep chunks shrink so that a step costs about the
+same whatever the context. Decodes count one token each (their attention is a memory-bound read).
 
 When the pool runs dry, the most recently admitted running request is preempted by recomputation: its blocks
 are freed, its computed count reset, and it goes back to the *front* of the waiting queue. The oldest running
@@ -13,6 +25,7 @@ every admitted request fits in the pool on its own, the oldest can always make p
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,16 +64,45 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, attention_keys_per_token: float | None = None) -> None:
+        """``attention_keys_per_token``: A in the module docstring, or None to count every token as one (it
+        only applies with chunked prefill: without it a prompt runs whole)."""
+        if attention_keys_per_token is not None and not attention_keys_per_token > 0:
+            raise ValueError(f"attention_keys_per_token must be > 0, got {attention_keys_per_token!r}")
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.attention_keys_per_token = attention_keys_per_token if enable_chunked_prefill else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swapped out, oldest first; they come back before new requests
         self.num_preemptions = 0
         self.num_swaps_out = 0
+
+    def cost(self, n: int, context: int) -> float:
+        """Budget taken by computing n tokens after ``context`` computed ones (n tokens without attention
+        awareness, or for a decode)."""
+        a = self.attention_keys_per_token
+        if a is None or n <= 1:
+            return float(n)
+        return n + (n * context + n * (n + 1) / 2) / a
+
+    def fit(self, gap: int, context: int, budget: float) -> int:
+        """The most of ``gap`` tokens after ``context`` computed ones whose cost fits ``budget`` (0 if none)."""
+        if budget < 1:
+            return 0
+        a = self.attention_keys_per_token
+        if a is None or gap == 1:
+            return min(gap, int(budget))
+        # n^2 / 2A + n (1 + (c + 1/2) / A) <= budget, solved for n, then made exact against cost()
+        p = 1 + (context + 0.5) / a
+        n = min(gap, int(2 * budget / (p + math.sqrt(p * p + 2 * budget / a))))
+        while n < gap and self.cost(n + 1, context) <= budget:
+            n += 1
+        while n > 1 and self.cost(n, context) > budget:
+            n -= 1
+        return max(n, 1)  # budget >= 1 pays for one token (cost(1) == 1)
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -71,30 +113,42 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = float(self.max_num_batched_tokens)
 
-        # 1. Running requests, oldest first; each gets min(gap, budget).
+        # 1. Running requests, oldest first: a decode takes one token, a prefill chunk what fits after keeping one
+        # token for each decode behind it; the oldest always gets at least one.
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget >= 1:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            gap, start = req.num_tokens - req.num_computed_tokens, req.num_computed_tokens
+            if gap == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = self.fit(gap, start, budget - decodes_left) or (1 if i == 0 else 0)
+                if n == 0:
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                victim = self.running.pop()  # the youngest: not visited yet, or req itself
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
+                if victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1
             else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-                budget -= n
+                out.scheduled.append(ScheduledRequest(req, start, n))
+                budget -= self.cost(n, start)
                 i += 1
                 continue
             break  # req preempted itself: it was the last running request
 
         # 2. Swapped-out requests come back first (oldest first), unless this step had to preempt.
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.swapped and budget >= 1 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.swapped[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.fit(req.num_tokens - req.num_computed_tokens, req.num_computed_tokens, budget)
             if not self.kv.can_swap_in(req, n):
                 break
             self.swapped.popleft()
@@ -102,23 +156,25 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-            budget -= n
+            budget -= self.cost(n, req.num_computed_tokens)
 
         # 3. Waiting requests, FCFS, unless this step preempted or swapped requests still wait.
-        while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (self.waiting and not self.swapped and budget >= 1 and len(self.running) < self.max_num_seqs
+               and not out.preempted):
             req = self.waiting[0]
             computed = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size
+            start = req.num_computed_tokens + len(computed) * self.kv.block_size
+            n = req.num_tokens - start
             if n > budget and not self.enable_chunked_prefill:
                 break
-            n = min(n, budget)
+            n = self.fit(n, start, budget)
             if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
-            budget -= n
+            budget -= self.cost(n, start)
 
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_tokens

@@ -86,7 +86,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill,
+                                   shape.attention_keys_per_token() if config.attention_aware_budget else None)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_kv_dtype, dev,
                                   num_host_blocks)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)

@@ -24,6 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gguf-quantized-linears", dest="gguf_quantized_linears", action="store_false",
                    help="bf16 from a GGUF file: linears use only the dequantized weights (by default, at up to 4 "
                         "rows they read the file's Q4_1 / Q8_0 blocks)")
+    p.add_argument("--no-attention-aware-budget", dest="attention_aware_budget", action="store_false",
+                   help="every token counts one against --max-num-batched-tokens (by default a prefill chunk's "
+                        "attention counts too, so chunks deep into long prompts shrink)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
     p.add_argument("--seed", type=int, default=0)
@@ -36,7 +39,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
                 reduced_precision_reduction=a.reduced_precision_reduction,
-                gguf_quantized_linears=a.gguf_quantized_linears, preemption_mode=a.preemption_mode,
+                gguf_quantized_linears=a.gguf_quantized_linears, attention_aware_budget=a.attention_aware_budget,
+                preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, seed=a.seed)
 
 

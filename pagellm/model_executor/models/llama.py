@@ -90,6 +90,14 @@ class ModelShape:
         else:  # Mistral: one window for every layer (None when disabled)
             self.sliding_windows = [window] * self.num_layers
 
+    def attention_keys_per_token(self) -> float:
+        """Keys whose attention costs the FLOPs of one token's linear layers (the scheduler's A): per layer, the
+        linears' weights (q, k, v, o, gate, up, down: a multiply-add each per token) over the 2 x heads x head_dim
+        multiply-adds of one key (q.k and p.v). Sliding windows are not counted: their layers are costed as full."""
+        h, d = self.hidden_size, self.head_dim
+        linears = h * d * 2 * (self.num_heads + self.num_kv_heads) + 3 * h * self.intermediate_size
+        return linears / (2 * self.num_heads * d)
+
 
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, layer_idx: int, backend: AttentionBackend) -> None:

@@ -57,6 +57,10 @@ def errors(out32, out16, ref):
     ([96], [450], 32, 64, 100),                         # sliding window
     ([20, 24], [20, 300], 16, 256, None),
     ([40, 18], [260, 18], 16, 96, None),                # 96 dims: six 16-dim vectors per V pair row
+    # long contexts: rows of scores larger than L2
+    ([200, 30], [1600, 1100], 16, 64, None),
+    ([96], [1500], 32, 64, 700),                        # a window whose start moves across passes
+    ([70, 1], [1234, 900], 8, 128, None),
 ])
 def test_error_stays_near_the_fp32_paths(q_lens, ctx_lens, block_size, dim, window):
     # Measured: 1.2-1.4x the fp32 path's mean error (its bf16 rounding of the output dominates both). Summing a
@@ -75,13 +79,15 @@ def test_fp8_caches(kv_dtype):
     assert err16 <= 1.6 * err32, (err16, err32)
 
 
-@pytest.mark.parametrize("scale_k,scale_v,scale_q", [(1e3, 1.0, 1e-3), (1e-4, 1e-4, 1e4), (1.0, 3e4, 1.0),
-                                                     (3e4, 1e-3, 3e-5), (1.0, 1.0, 4.0)])
-def test_any_magnitude_keeps_its_precision(scale_k, scale_v, scale_q):
+@pytest.mark.parametrize("scale_k,scale_v,scale_q,ctx", [
+    (1e3, 1.0, 1e-3, 200), (1e-4, 1e-4, 1e4, 200), (1.0, 3e4, 1.0, 200), (3e4, 1e-3, 3e-5, 200), (1.0, 1.0, 4.0, 200),
+    (1e3, 1.0, 1e-3, 1300), (1e-4, 1e-4, 1e4, 1300), (1.0, 3e4, 1.0, 1300), (3e4, 1e-3, 3e-5, 1300)])
+def test_any_magnitude_keeps_its_precision(scale_k, scale_v, scale_q, ctx):
     # K or V of 1e-4 are fp16 subnormals and 3e4 overflows fp16's sums without the scaling. (The logits keep a
     # model's range: far larger ones make one-hot rows, where fp16 sums' error, relative to the logit, exceeds
-    # the fp32 path's; the bf16 rounding of q and K already costs more there.)
-    out32, out16, ref = both_paths([40], [200], scale_k=scale_k, scale_v=scale_v, scale_q=scale_q, seed=3)
+    # the fp32 path's; the bf16 rounding of q and K already costs more there: 4x the logits over 1,300 keys give
+    # 1.94x the fp32 path's error.)
+    out32, out16, ref = both_paths([40], [ctx], scale_k=scale_k, scale_v=scale_v, scale_q=scale_q, seed=3)
     err32, err16 = errors(out32, out16, ref)
     assert torch.isfinite(out16).all()
     assert err16 <= 1.6 * err32 + 1e-30, (err16, err32)
@@ -101,10 +107,11 @@ def test_worst_case_sums_do_not_overflow():
     assert torch.allclose(out[True].float(), out[False].float(), rtol=1e-2)
 
 
-def test_lse_matches_the_fp32_path():
+@pytest.mark.parametrize("ctx", [400, 1400])
+def test_lse_matches_the_fp32_path(ctx):
     # cascade attention merges parts by each row's log-sum-exp, which the fp16 path writes too
     be = CPUPagedAttention(3, 64, 32)
-    q, k, v, cache, meta, *_ = make_case(be, [64], [400], 32, torch.bfloat16, 9, 3, 64)
+    q, k, v, cache, meta, *_ = make_case(be, [64], [ctx], 32, torch.bfloat16, 9, 3, 64)
     kc, vc = be.views(cache)
     be.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
     lse = {}
@@ -145,12 +152,12 @@ def test_fp32_keeps_fp32_sums():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("kv_start", [37, 64])
-def test_kv_start_is_honoured(kv_start):
+@pytest.mark.parametrize("kv_start,ctx", [(37, 300), (64, 300), (601, 1300)])
+def test_kv_start_is_honoured(kv_start, ctx):
     # cascade attention's suffix part leaves out the keys before kv_start (odd: it splits a token pair of the
     # fp16 copy); the fp16 path must leave out the same keys as the fp32 path
     be = CPUPagedAttention(3, 64, 16)
-    q, k, v, cache, meta, *_ = make_case(be, [48], [300], 16, torch.bfloat16, 9, 3, 64, seed=5)
+    q, k, v, cache, meta, *_ = make_case(be, [48], [ctx], 16, torch.bfloat16, 9, 3, 64, seed=5)
     kc, vc = be.views(cache)
     be.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
     outs = {}

@@ -117,7 +117,7 @@ class EngineConfig:
     # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
     # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-
     # 135M), so chunks deep into a long prompt shrink and a step takes about as long whatever the context (the
-    # decodes in it wait less). False: every token counts one (vLLM's budget)
+    # decodes in it wait less; the prompt takes more, shorter steps). False: every token counts one (vLLM's)
     attention_aware_budget: bool = True
 
     # Derived by finalize():

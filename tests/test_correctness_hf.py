@@ -127,7 +127,6 @@ def test_tiny_no_chunked_prefill_matches_hf(tiny_expected):
     assert all(o.metrics["num_prefill_chunks"] == 1 for o in outs)
 
 
-
 def test_tiny_attention_aware_chunks_match_hf(tiny_expected):
     """A small budget with the attention-aware cost (the default) shrinks the chunks of the longer prompts as their
     context grows (the tiny model's A is 288 keys); the tokens stay HF's either way."""

@@ -143,11 +143,13 @@ def _step(sched: Scheduler, live: list[Request]) -> int:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_blocks=st.integers(6, 30), block_size=st.sampled_from([2, 4, 8]),
-       budget=st.integers(1, 64), host_blocks=st.sampled_from([0, 0, 4, 40]))
-def test_random_interleavings_never_leak(data, num_blocks, block_size, budget, host_blocks):
-    """Prefix caching (hashed blocks, eviction) with recompute or swap preemption (host pool of 4 or 40)."""
+       budget=st.integers(1, 64), host_blocks=st.sampled_from([0, 0, 4, 40]),
+       keys=st.sampled_from([None, 4.0, 64.0]))
+def test_random_interleavings_never_leak(data, num_blocks, block_size, budget, host_blocks, keys):
+    """Prefix caching (hashed blocks, eviction) with recompute or swap preemption (host pool of 4 or 40), with a
+    token-only or an attention-aware budget (cached prefixes count as context)."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, num_host_blocks=host_blocks)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, attention_keys_per_token=keys)
     prefixes = [[1] * 40, [2] * 40, list(range(3, 43))]
     live: list[Request] = []
     for step in range(data.draw(st.integers(5, 40))):

@@ -40,9 +40,15 @@ def test_fit_is_the_longest_chunk_within_budget(gap, context, budget, keys):
         assert n == 0
         return
     assert 1 <= n <= gap
-    assert n == 1 or s.cost(n, context) <= budget
+    assert s.cost(n, context) <= budget
     assert n == gap or s.cost(n + 1, context) > budget
-    assert s.cost(1, context) == 1.0  # one token (a decode) counts one
+    assert s.fit(0, context, budget) == 0
+
+
+def test_one_token_counts_one():
+    # a decode, or a chunk of one: the floor that keeps every request moving
+    assert scheduler(1.0).cost(1, 10**6) == 1.0
+    assert scheduler(1.0).fit(500, 10**6, 1.5) == 1
 
 
 def test_cost_counts_each_tokens_keys():
@@ -53,17 +59,18 @@ def test_cost_counts_each_tokens_keys():
 
 
 def run_long_prompt(keys: float | None) -> list[tuple[int, int, int]]:
-    """Three requests generating while a 7,000-token prompt arrives: (context, chunk, decodes) per step."""
+    """A 7,000-token prompt, admitted first, with three requests generating behind it (admitted on what its
+    chunks left over, as the attention-aware budget allows): (context, chunk, decodes) per step."""
     s = scheduler(keys)
-    short = [make_request(i, 20, max_tokens=1000) for i in range(3)]
-    for r in short:
-        s.add_request(r)
-    s.schedule()  # the three prompts
-    for r in short:
-        r.output_token_ids.append(7)
     long = make_request(9, 7000, max_tokens=4)
     s.add_request(long)
     steps = []
+    out = s.schedule()  # the long prompt's first chunk
+    steps.append((0, out.scheduled[0].num_tokens, 0))
+    short = [make_request(i, 1, max_tokens=1000) for i in range(3)]
+    s.running.extend(short)  # one token each to compute: generating
+    for r in short:
+        assert s.kv.allocate_slots(r, 0)
     while long.num_computed_tokens < long.num_prompt_tokens:
         out = s.schedule()
         assert out.total_num_tokens <= 2048
@@ -78,26 +85,27 @@ def run_long_prompt(keys: float | None) -> list[tuple[int, int, int]]:
 
 def test_long_prompt_chunks_shrink_with_context_and_decodes_keep_their_token():
     steps = run_long_prompt(keys=3072.0)  # SmolLM2-135M's A
-    assert all(decodes == 3 for _, _, decodes in steps)
+    assert all(decodes == 3 for _, _, decodes in steps[1:])  # behind the prefill, yet every step
     chunks = [n for _, n, _ in steps]
     assert chunks == sorted(chunks, reverse=True) and chunks[0] < 2045 and chunks[-1] < chunks[0]
     # each chunk is the longest that fits beside the three decodes: its tokens plus keys come to the budget
     s = scheduler(3072.0)
-    for context, n, _ in steps[:-1]:
-        assert s.cost(n, context) <= 2045 < s.cost(n + 1, context)
+    for context, n, decodes in steps[:-1]:
+        assert s.cost(n, context) <= 2048 - decodes < s.cost(n + 1, context)
     # a token-only budget takes the prompt in 2,045-token chunks; the one after 4,090 tokens costs (linears and
     # attention, in the same units) over 2.5 times the budget, the step every decode waits for
     plain = run_long_prompt(keys=None)
-    assert [n for _, n, _ in plain] == [2045, 2045, 2045, 865]
+    assert [n for _, n, _ in plain] == [2048, 2045, 2045, 862]
     assert max(s.cost(n, context) for context, n, _ in plain) > 2.5 * 2048
     assert len(steps) > len(plain)
 
 
-def test_prefill_chunk_leaves_room_for_younger_decodes():
+@pytest.mark.parametrize("keys", [None, 3072.0])
+def test_prefill_chunk_leaves_room_for_younger_decodes(keys):
     """An older request still prefilling takes only what the decodes behind it leave; the oldest always gets a
     token, even when the decodes would fill the budget."""
     for budget, want in [(10, 7), (3, 1), (2, 1)]:
-        s = scheduler(None, budget=budget)
+        s = scheduler(keys, budget=budget)
         old = make_request(0, 100)
         s.add_request(old)
         s.schedule()  # takes `budget` tokens of its prompt
@@ -105,11 +113,28 @@ def test_prefill_chunk_leaves_room_for_younger_decodes():
         s.running.extend(young)  # admitted and prefilled earlier in a real run: each has one token to decode
         for r in young:
             assert s.kv.allocate_slots(r, 0)
+        expect = s.fit(old.num_tokens - old.num_computed_tokens, old.num_computed_tokens, budget - 3) or 1
+        assert keys is not None or expect == want
         out = s.schedule()
         got = {x.request.request_id: x.num_tokens for x in out.scheduled}
-        assert got["0"] == want
+        assert got["0"] == expect
         assert sum(got.values()) <= budget
-        assert sum(r.request_id in got for r in young) == min(3, budget - want)
+        assert sum(r.request_id in got for r in young) == min(3, budget - expect)
+
+
+def test_a_recompute_preemption_frees_the_victims_reservation():
+    """4 blocks of 16: r0 decodes into a new block, which preempts r2 (a decode, by recomputation); r1's chunk
+    then keeps no token for r2."""
+    s = Scheduler(KVCacheManager(4, 16, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10)
+    r0, r1, r2 = make_request(0, 16), make_request(1, 40), make_request(2, 2)
+    s.running = [r0, r1, r2]
+    assert s.kv.allocate_slots(r0, 16) and s.kv.allocate_slots(r1, 20) and s.kv.allocate_slots(r2, 1)
+    r0.num_computed_tokens, r1.num_computed_tokens, r2.num_computed_tokens = 16, 20, 1
+    assert s.kv.pool.num_free_blocks == 0
+    r0.output_token_ids.append(7)  # r0 has one token to compute: a decode that needs a fourth block
+    out = s.schedule()
+    assert out.preempted == [r2]
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("0", 1), ("1", 9)]
 
 
 def test_model_shape_keys_per_token():

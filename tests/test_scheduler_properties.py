@@ -352,7 +352,7 @@ def test_oldest_request_is_never_starved():
         num_blocks = data.draw(st.integers(per_req, max(per_req, n * per_req - 1)))
         chunked = data.draw(st.booleans())
         budget = data.draw(st.integers(1, 300) if chunked else st.integers(p + m, 300))
-        sched = make_scheduler(num_blocks, block_size, n, budget, chunked)
+        sched = make_scheduler(num_blocks, block_size, n, budget, chunked, data.draw(KEYS))
         reqs = [make_request(i, p, m) for i in range(n)]
         for r in reqs:
             sched.add_request(r)

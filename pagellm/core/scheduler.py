@@ -3,12 +3,15 @@
 Each step every scheduled request closes part of its gap ``num_tokens - num_computed_tokens``:
 
     running (admission order):  r0 [gap 1]  r1 [gap 700, prefilling]  r2 [gap 1]     budget 512
-    -> r0: 1, r1: 509 (a chunk; r1 samples nothing this step), r2: 1
+    -> r0: 1, r1: 509 (a chunk; r1 samples nothing this step), r2: 1   (with a token-only budget; see below)
     waiting (FCFS): admitted only while budget, max_num_seqs and free blocks allow.
 
 Decodes come first: a prefill chunk gets only what the running decodes behind it leave (r1 above keeps r2's
-token), so a long prompt never stalls the requests already generating. The oldest running request always gets at
-least one token, so it cannot starve.
+token), so a long prompt does not stall the requests already generating as long as the budget exceeds their
+number; a younger prefill may get nothing in a step. The oldest running request always gets at least one token,
+so it cannot starve. (With a token-only budget a prefilling request is always the youngest running one, as a
+partial chunk uses up the budget; the attention-aware budget leaves fractions of a chunk's cost over, which admit
+requests behind a long prompt, and this rule keeps them generating.)
 
 Attention-aware budget (``attention_keys_per_token`` = A): a prefill chunk's attention grows with the context it
 attends to, and 2,048 tokens deep into a 7,000-token prompt cost several times a fresh 2,048-token prompt (the
@@ -16,7 +19,9 @@ step every generating request waits for). So a chunk of n tokens after c compute
 ``n + (n c + n (n + 1) / 2) / A`` against the budget: each token its linear layers plus its keys' attention, A
 keys costing as much as one token's linears (the model's FLOPs ratio: 3,072 for SmolLM2-135M). The chunk is the
 longest that fits; fresh short prompts are barely affected, deep chunks shrink so that a step costs about the
-same whatever the context. Decodes count one token each (their attention is a memory-bound read).
+same whatever the context. A single token counts one, a decode or a chunk of one: the floor that keeps every
+request moving (a decode's attention is a memory-bound read; a one-token chunk only costs more than the whole
+budget after budget x A tokens of context, 6.3M at the defaults). Sliding windows are costed as full attention.
 
 When the pool runs dry, the most recently admitted running request is preempted by recomputation: its blocks
 are freed, its computed count reset, and it goes back to the *front* of the waiting queue. The oldest running
@@ -81,16 +86,17 @@ class Scheduler:
         self.num_swaps_out = 0
 
     def cost(self, n: int, context: int) -> float:
-        """Budget taken by computing n tokens after ``context`` computed ones (n tokens without attention
-        awareness, or for a decode)."""
+        """Budget taken by computing n tokens after ``context`` computed ones (n without attention awareness;
+        one token always counts one)."""
         a = self.attention_keys_per_token
         if a is None or n <= 1:
             return float(n)
         return n + (n * context + n * (n + 1) / 2) / a
 
     def fit(self, gap: int, context: int, budget: float) -> int:
-        """The most of ``gap`` tokens after ``context`` computed ones whose cost fits ``budget`` (0 if none)."""
-        if budget < 1:
+        """The most of ``gap`` tokens after ``context`` computed ones whose cost fits ``budget`` (0 if none: a
+        budget under one token, or no gap)."""
+        if budget < 1 or gap < 1:
             return 0
         a = self.attention_keys_per_token
         if a is None or gap == 1:
@@ -132,12 +138,12 @@ class Scheduler:
                     continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the youngest: not visited yet, or req itself
+                was_decode = victim.num_tokens - victim.num_computed_tokens == 1  # (recompute resets the count)
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
-                if victim.num_tokens - victim.num_computed_tokens == 1:
-                    decodes_left -= 1
+                decodes_left -= was_decode
             else:
                 out.scheduled.append(ScheduledRequest(req, start, n))
                 budget -= self.cost(n, start)
@@ -173,7 +179,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledRequest(req, start, n))
             budget -= self.cost(n, start)
 
         for s in out.scheduled:

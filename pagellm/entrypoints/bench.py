@@ -141,6 +141,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
         "kv_cache_mb": round(st.kv_cache_bytes / 2**20, 1), "peak_kv_blocks_used": st.peak_used_blocks,
         "preemptions": st.num_preemptions, "prompt_tokens_computed": st.prompt_tokens_computed,
         "steps": st.num_steps, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "attention_aware_budget": engine.scheduler.attention_keys_per_token is not None,
         "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
         "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
         "prefix_caching": engine.config.enable_prefix_caching,

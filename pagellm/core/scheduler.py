@@ -14,8 +14,8 @@ partial chunk uses up the budget; the attention-aware budget leaves fractions of
 requests behind a long prompt, and this rule keeps them generating.)
 
 Attention-aware budget (``attention_keys_per_token`` = A): a prefill chunk's attention grows with the context it
-attends to, and 2,048 tokens deep into a 7,000-token prompt cost several times a fresh 2,048-token prompt (the
-step every generating request waits for). So a chunk of n tokens after c computed ones counts
+attends to: 2,048 tokens after 4,096 of a 7,000-token prompt cost twice a fresh 2,048-token prompt (its
+attention 1.7 times its linears), in the step every generating request waits for. So a chunk of n tokens after c computed ones counts
 ``n + (n c + n (n + 1) / 2) / A`` against the budget: each token its linear layers plus its keys' attention, A
 keys costing as much as one token's linears (the model's FLOPs ratio: 3,072 for SmolLM2-135M). The chunk is the
 longest that fits; fresh short prompts are barely affected, deep chunks shrink so that a step costs about the

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler import Scheduler, _keys
 from pagellm.engine.request import Request
 from pagellm.model_executor.models.llama import ModelShape
 from pagellm.sampling_params import SamplingParams
@@ -25,16 +25,19 @@ def make_request(i: int, prompt_len: int, max_tokens: int = 64) -> Request:
                    sampling_params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
 
 
-def scheduler(keys: float | None, budget: int = 2048, num_blocks: int = 4096) -> Scheduler:
+def scheduler(keys: float | None, budget: int = 2048, num_blocks: int = 4096, windows=()) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, 16, enable_prefix_caching=False), max_num_seqs=64,
-                     max_num_batched_tokens=budget, attention_keys_per_token=keys)
+                     max_num_batched_tokens=budget, attention_keys_per_token=keys, attention_windows=windows)
+
+
+WINDOWS = st.sampled_from([(), (), (None, None), (4096,), (64, None), (1, 300, None, None)])
 
 
 @settings(max_examples=300, deadline=None)
 @given(gap=st.integers(1, 10_000), context=st.integers(0, 50_000), budget=st.floats(0, 5_000),
-       keys=st.floats(0.5, 50_000))
-def test_fit_is_the_longest_chunk_within_budget(gap, context, budget, keys):
-    s = scheduler(keys)
+       keys=st.floats(0.5, 50_000), windows=WINDOWS)
+def test_fit_is_the_longest_chunk_within_budget(gap, context, budget, keys, windows):
+    s = scheduler(keys, windows=windows)
     n = s.fit(gap, context, budget)
     if budget < 1:
         assert n == 0
@@ -56,6 +59,26 @@ def test_cost_counts_each_tokens_keys():
     # 4 tokens after 10: they attend to 11, 12, 13, 14 keys
     assert s.cost(4, 10) == pytest.approx(4 + (11 + 12 + 13 + 14) / 100)
     assert scheduler(None).cost(4, 10) == 4.0
+    # half the layers with a window of 12 keys: those see 11, 12, 12, 12
+    assert scheduler(100.0, windows=(12, None)).cost(4, 10) == pytest.approx(4 + (47 + 50) / 2 / 100)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 300), context=st.integers(0, 600), window=st.none() | st.integers(1, 700))
+def test_keys_are_each_tokens_window(n, context, window):
+    want = sum(context + i + 1 if window is None else min(context + i + 1, window) for i in range(n))
+    assert _keys(n, context, window) == want
+
+
+def test_sliding_windows_lengthen_deep_chunks():
+    """Mistral-style layers that see at most 4,096 keys: deep into a long prompt a chunk's attention stops
+    growing, so its chunks stay longer than full attention's."""
+    full, windowed = scheduler(3072.0), scheduler(3072.0, windows=(4096,) * 30)
+    assert windowed.fit(7000, 1000, 2048) == full.fit(7000, 1000, 2048)  # inside the window: the same
+    assert windowed.fit(7000, 6000, 2048) > 1.3 * full.fit(7000, 6000, 2048)
+    assert windowed.fit(7000, 6000, 2048) == windowed.fit(7000, 20_000, 2048)  # past it: context no longer counts
+    with pytest.raises(ValueError, match="attention_windows"):
+        scheduler(3072.0, windows=(0,))
 
 
 def run_long_prompt(keys: float | None) -> list[tuple[int, int, int]]:

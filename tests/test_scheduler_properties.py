@@ -39,9 +39,10 @@ def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
 
 
 def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, budget: int, chunked: bool,
-                   keys: float | None = None) -> Scheduler:
+                   keys: float | None = None, windows: tuple = ()) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, enable_chunked_prefill=chunked, attention_keys_per_token=keys)
+                     max_num_batched_tokens=budget, enable_chunked_prefill=chunked, attention_keys_per_token=keys,
+                     attention_windows=windows)
 
 
 # The attention-aware budget's A (None: every token counts one); small values make chunks shrink within the
@@ -207,7 +208,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             budget = data.draw(st.integers(min(MAX_PROMPT + MAX_GEN, self.capacity), 300), label="budget")
         max_num_seqs = data.draw(st.integers(1, 8), label="max_num_seqs")
         keys = data.draw(KEYS, label="attention_keys_per_token")
-        self.sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, self.CHUNKED, keys)
+        windows = data.draw(st.sampled_from([(), (16, None), (50,)]), label="attention_windows")
+        self.sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, self.CHUNKED, keys, windows)
         self.requests: list[Request] = []
 
     def unfinished(self) -> list[Request]:

@@ -21,7 +21,8 @@ keys costing as much as one token's linears (the model's FLOPs ratio: 3,072 for 
 longest that fits; fresh short prompts are barely affected, deep chunks shrink so that a step costs about the
 same whatever the context. A single token counts one, a decode or a chunk of one: the floor that keeps every
 request moving (a decode's attention is a memory-bound read; a one-token chunk only costs more than the whole
-budget after budget x A tokens of context, 6.3M at the defaults). Sliding windows are costed as full attention.
+budget after budget x A tokens of context, 6.3M at the defaults). Layers with a sliding window of W keys count
+at most W keys a token (``attention_windows``: each layer's window, None for full attention).
 
 When the pool runs dry, the most recently admitted running request is preempted by recomputation: its blocks
 are freed, its computed count reset, and it goes back to the *front* of the waiting queue. The oldest running
@@ -31,7 +32,8 @@ every admitted request fits in the pool on its own, the oldest can always make p
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -67,18 +69,34 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _keys(n: int, context: int, window: int | None) -> float:
+    """Keys that n tokens after ``context`` computed ones attend to in all: token i sees context + i + 1 of
+    them, at most ``window``."""
+    if window is None or context + n <= window:
+        return n * context + n * (n + 1) / 2
+    m = min(max(window - context, 0), n)  # tokens that still see the whole context
+    return m * context + m * (m + 1) / 2 + (n - m) * window
+
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, attention_keys_per_token: float | None = None) -> None:
+                 enable_chunked_prefill: bool = True, attention_keys_per_token: float | None = None,
+                 attention_windows: Sequence[int | None] = ()) -> None:
         """``attention_keys_per_token``: A in the module docstring, or None to count every token as one (it
-        only applies with chunked prefill: without it a prompt runs whole)."""
+        only applies with chunked prefill: without it a prompt runs whole). ``attention_windows``: each layer's
+        sliding window (None: full attention; empty: all full)."""
         if attention_keys_per_token is not None and not attention_keys_per_token > 0:
             raise ValueError(f"attention_keys_per_token must be > 0, got {attention_keys_per_token!r}")
+        if any(w is not None and (not isinstance(w, int) or w < 1) for w in attention_windows):
+            raise ValueError(f"attention_windows must hold None or integers >= 1, got {list(attention_windows)!r}")
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.attention_keys_per_token = attention_keys_per_token if enable_chunked_prefill else None
+        # the layers' share per window (None: full); the attention part of a cost is their weighted mean
+        counts = Counter(attention_windows or [None])
+        self._windows = [(w, k / sum(counts.values())) for w, k in counts.items()]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swapped out, oldest first; they come back before new requests
@@ -91,7 +109,7 @@ class Scheduler:
         a = self.attention_keys_per_token
         if a is None or n <= 1:
             return float(n)
-        return n + (n * context + n * (n + 1) / 2) / a
+        return n + sum(share * _keys(n, context, w) for w, share in self._windows) / a
 
     def fit(self, gap: int, context: int, budget: float) -> int:
         """The most of ``gap`` tokens after ``context`` computed ones whose cost fits ``budget`` (0 if none: a
@@ -101,9 +119,16 @@ class Scheduler:
         a = self.attention_keys_per_token
         if a is None or gap == 1:
             return min(gap, int(budget))
-        # n^2 / 2A + n (1 + (c + 1/2) / A) <= budget, solved for n, then made exact against cost()
+        # full attention: n^2 / 2A + n (1 + (c + 1/2) / A) <= budget, solved for n (a lower bound with windows,
+        # which only lower the cost), then made exact against cost(), by bisection when windows make it longer
         p = 1 + (context + 0.5) / a
         n = min(gap, int(2 * budget / (p + math.sqrt(p * p + 2 * budget / a))))
+        if any(w is not None for w, _ in self._windows):
+            lo, hi = max(n, 1), gap  # the last n in [lo, gap] that fits (the loops below settle the ends)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.cost(mid, context) <= budget else (lo, mid - 1)
+            n = lo
         while n < gap and self.cost(n + 1, context) <= budget:
             n += 1
         while n > 1 and self.cost(n, context) > budget:

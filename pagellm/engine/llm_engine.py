@@ -87,7 +87,8 @@ class LLMEngine:
                                          num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
-                                   shape.attention_keys_per_token() if config.attention_aware_budget else None)
+                                   shape.attention_keys_per_token() if config.attention_aware_budget else None,
+                                   shape.sliding_windows)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_kv_dtype, dev,
                                   num_host_blocks)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)

@@ -93,7 +93,7 @@ class ModelShape:
     def attention_keys_per_token(self) -> float:
         """Keys whose attention costs the FLOPs of one token's linear layers (the scheduler's A): per layer, the
         linears' weights (q, k, v, o, gate, up, down: a multiply-add each per token) over the 2 x heads x head_dim
-        multiply-adds of one key (q.k and p.v). Sliding windows are not counted: their layers are costed as full."""
+        multiply-adds of one key (q.k and p.v). The scheduler caps the keys of sliding-window layers itself."""
         h, d = self.hidden_size, self.head_dim
         linears = h * d * 2 * (self.num_heads + self.num_kv_heads) + 3 * h * self.intermediate_size
         return linears / (2 * self.num_heads * d)

@@ -29,7 +29,7 @@ from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa:
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
 from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels, pack_amx  # noqa: E402
-from pagellm.model_executor.layers.quantized import BLOCK_BYTES, GGUFWeight  # noqa: E402
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFWeight  # noqa: E402
 
 
 def best_ms(fs: dict, rounds: int = 5, digits: int = 2) -> dict:
@@ -169,29 +169,42 @@ def gate_up_silu(ops) -> None:
 
 
 def gguf_blocks(ops) -> None:
-    """A decode step's 120 layer linears and LM head at 1 and 4 rows on GGUF blocks (Q4_1 layers, a Q8_0 head, as
-    the default model's file; random blocks) against the bf16 streaming kernel on the same weights dequantized."""
+    """A decode step's linears at 1 and 4 rows on GGUF blocks against the bf16 streaming kernel on the same weights
+    dequantized (random blocks): SmolLM2's 120 layer linears (Q4_1) and LM head (Q8_0), as the default model's file;
+    and four layers of TinyLlama-1.1B's shapes (hidden 2,048, intermediate 5,632) mixed as llama.cpp's Q4_K_M mixes
+    them: Q4_K, with v and down in Q6_K (re-packed at load, layers/quantized.py)."""
     if not (ops.gguf_linear_supported() and ops.small_m_linear_supported()):
         return
     g = torch.Generator().manual_seed(0)
+    d_at = {"Q4_1": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}  # where the block's fp16 d lies
 
-    def blocks(kind, n, k):  # random quants, d (and m) in the model's range
-        raw = torch.randint(0, 256, (n * k // 32, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
-        raw[:, 0:2] = (torch.rand(n * k // 32, 1, generator=g) * 0.01).half().view(torch.uint8)
-        if kind == "q4_1":
-            raw[:, 2:4] = (-torch.rand(n * k // 32, 1, generator=g) * 0.1).half().view(torch.uint8)
+    def blocks(kind, n, k):  # random quants, d (and Q4_1's m, Q4_K's dmin) in a model's range
+        per, size = GGUF_BLOCKS[kind]
+        nb = n * k // per
+        raw = torch.randint(0, 256, (nb, size), dtype=torch.uint8, generator=g)
+        spread = 0.01 if per == 32 else 0.0005
+        raw[:, d_at[kind]:d_at[kind] + 2] = (torch.rand(nb, 1, generator=g) * spread).half().view(torch.uint8)
+        if kind in ("Q4_1", "Q4_K"):
+            raw[:, 2:4] = (-torch.rand(nb, 1, generator=g) * 10 * spread).half().view(torch.uint8)
         return GGUFWeight.from_blocks(kind, raw.reshape(n, -1))
 
-    shapes = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576), ("q4_1", 576, 1536)] * 30
-    ws = [blocks(kind, n, k) for kind, n, k in shapes] + [blocks("q8_0", 49152, 576)]
-    dense = [w.dequantize().bfloat16() for w in ws]
-    for rows in (1, 4):
-        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
-        outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in ws]
-        emit(bench="a decode step's linears (120 + LM head) on GGUF blocks, ms", rows=rows, **best_ms({
-            "gguf_blocks": lambda: [ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o) for w, o in zip(ws, outs)],
-            "bf16_streaming": lambda: [ops.small_m_linear(xs[d.shape[1]], d, None, o) for d, o in zip(dense, outs)],
-        }, rounds=10))
+    smol = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)] * 30
+    smol.append(("Q8_0", 49152, 576))
+    tiny_llama = [("Q4_K", 2048, 2048), ("Q4_K", 256, 2048), ("Q6_K", 256, 2048), ("Q4_K", 2048, 2048),
+                  ("Q4_K", 11264, 2048), ("Q6_K", 2048, 5632)] * 4
+    for name, shapes in (("SmolLM2 Q4_1 / Q8_0, 120 linears + LM head", smol),
+                         ("TinyLlama shapes Q4_K / Q6_K, 4 layers", tiny_llama)):
+        ws = [blocks(kind, n, k) for kind, n, k in shapes]
+        dense = [w.dequantize().bfloat16() for w in ws]
+        for rows in (1, 4):
+            xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in ws}}
+            outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in ws]
+            emit(bench="decode linears on GGUF blocks, ms", weights=name, rows=rows, **best_ms({
+                "gguf_blocks": lambda: [ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o)
+                                        for w, o in zip(ws, outs)],
+                "bf16_streaming": lambda: [ops.small_m_linear(xs[d.shape[1]], d, None, o) for d, o in zip(dense, outs)],
+            }, rounds=10))
+        del ws, dense
 
 
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm

@@ -110,9 +110,9 @@ class EngineConfig:
     # 32 products before they join an fp32 sum (as torch's allow_fp16_reduced_precision_reduction allows partial
     # sums in fp16): ~1.6x the speed of fp32 FMAs. False: fp32 sums throughout
     reduced_precision_reduction: bool = True
-    # bf16 from a GGUF file on CPU: linears with at most 4 rows (decode with a few requests) read the file's Q4_1 /
-    # Q8_0 blocks, a third / half of bf16's bytes, as the exact fp32 weights (layers/quantized.py). False: the
-    # dequantized bf16 weights only
+    # bf16 from a GGUF file on CPU: linears with at most 4 rows (decode with a few requests) read the file's quants
+    # (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K: 6-10 bits a weight against bf16's 16) as the exact fp32 weights
+    # (layers/quantized.py). False: the dequantized bf16 weights only
     gguf_quantized_linears: bool = True
     # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
     # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-

@@ -1,33 +1,55 @@
 """GGUF weights in the linears' few-row path (layers/quantized.py, csrc/gguf_linear_cpu.cpp): the loader keeps a
-Q4_1 or Q8_0 linear weight's blocks next to its dequantized copy, the model fuses them as it fuses the parameters,
-and at up to 4 rows the kernel multiplies x by the exact fp32 weights (d * q + m, q * d), reading a third / half of
-bf16's bytes."""
+linear weight's quants (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K, re-packed into the kernel's four layouts) next to
+its dequantized copy, the model fuses them as it fuses the parameters, and at up to 4 rows the kernel multiplies x by
+the exact fp32 weights (gguf's own values), reading 6-10 bits a weight instead of bf16's 16."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from pagellm.model_executor.gguf_loader import _dequantize_torch
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.quantized import BLOCK_BYTES, GGUFWeight
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFWeight
 
 ops = load_extension()
 needs_kernel = pytest.mark.skipif(not ops.gguf_linear_supported(), reason="CPU without AVX-512")
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
 
+# where each type keeps its fp16 scales in a block: (offset, spread) of d, and of m / dmin where it has one
+SCALES = {"Q4_0": [(0, 0.04)], "Q4_1": [(0, 0.04), (2, 0.2)], "Q5_0": [(0, 0.02)], "Q5_1": [(0, 0.02), (2, 0.2)],
+          "Q8_0": [(0, 0.004)], "Q4_K": [(0, 0.001), (2, 0.002)], "Q5_K": [(0, 0.0005), (2, 0.002)],
+          "Q6_K": [(208, 0.0005)]}
+
+
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [n, k/32 * block bytes]: blocks with random quants, d of either sign (and Q4_1's m around the range)."""
+    """uint8 [n, k / block weights * block bytes] of GGUF type kind: random quants (and K-quants' packed 6-bit
+    scales), fp16 scales of either sign in the model's range."""
+    kind = kind.upper()
+    per, size = GGUF_BLOCKS[kind]
     g = torch.Generator().manual_seed(seed)
-    nb, size = n * k // 32, BLOCK_BYTES[kind]
+    nb = n * k // per
     raw = torch.randint(0, 256, (nb, size), dtype=torch.uint8, generator=g)
-    d = ((torch.rand(nb, generator=g) - 0.3) * (0.04 if kind == "q4_1" else 0.004)).half()
-    raw[:, 0:2] = d.view(torch.uint8).view(nb, 2)
-    if kind == "q4_1":
-        raw[:, 2:4] = ((torch.rand(nb, generator=g) - 0.7) * 0.2).half().view(torch.uint8).view(nb, 2)
-    return raw.reshape(n, k // 32 * size)
+    for at, spread in SCALES[kind]:
+        v = ((torch.rand(nb, generator=g) - (0.3 if at == 0 or kind.endswith("_K") else 0.7)) * spread).half()
+        raw[:, at:at + 2] = v.view(torch.uint8).view(nb, 2)
+    return raw.reshape(n, k // per * size)
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+def test_every_type_unpacks_to_gguf_exact_weights(kind):
+    # each weight, bit for bit, what gguf.quants.dequantize makes of the file's block; 512 columns: two K-quant
+    # super-blocks a row
+    raw = random_blocks(kind, 12, 512, seed=len(kind))
+    want = gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType[kind])
+    q = GGUFWeight.from_blocks(kind, raw)
+    assert q.shape == (12, 512) and q.qs.shape[:2] == (12, 16) and q.scales.dtype == torch.float32
+    got = q.dequantize()
+    assert got.shape == want.shape and torch.equal(got, torch.from_numpy(want))
+    assert np.isfinite(want).all() and (want != 0).mean() > 0.9  # a test that can fail: varied, finite weights
 
 
 @pytest.mark.parametrize("kind", sorted(QTYPES))
@@ -41,6 +63,23 @@ def test_blocks_dequantize_as_the_loader(kind):
     assert both.shape == (32, 96) and torch.equal(both.dequantize()[:24], q.dequantize())
     other = "q8_0" if kind == "q4_1" else "q4_1"
     assert GGUFWeight.cat([q, GGUFWeight.from_blocks(other, random_blocks(other, 8, 96))]) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+@pytest.mark.parametrize("rows", [1, 4])
+def test_kernel_reads_every_layout(kind, rows):
+    # the kernel on each type's re-packed quants is the product with gguf's fp32 weights, rounded once to bf16
+    n, k = 70, 768
+    q = GGUFWeight.from_blocks(kind, random_blocks(kind, n, k, seed=rows))
+    w = torch.from_numpy(gguf_quants.dequantize(random_blocks(kind, n, k, seed=rows).numpy(),
+                                                GGMLQuantizationType[kind])).double()
+    x = torch.randn(rows, k).bfloat16()
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    ops.gguf_linear(x, q.qs, q.scales, None, out)
+    ref = x.double() @ w.T
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all(), err.max()
 
 
 @needs_kernel
@@ -77,7 +116,7 @@ def test_bad_operands_get_clear_errors():
     with pytest.raises(RuntimeError, match="scales: float32"):
         ops.gguf_linear(x, q.qs, q.scales.half(), None, out)
     with pytest.raises(RuntimeError, match="scales: float32"):
-        ops.gguf_linear(x, q8.qs, q.scales, None, out)  # Q8_0 has one scale a block
+        ops.gguf_linear(x, q8.qs.view(torch.uint8), q8.scales, None, out)  # uint8 quants need d and m
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.gguf_linear(torch.randn(2, 48).bfloat16(), q.qs, q.scales, None, out)
     with pytest.raises(RuntimeError, match="bias: bfloat16"):
@@ -154,6 +193,49 @@ def test_short_prompts_agree_with_fp32(gguf_path, gguf_llm):
     for llm in (gguf_llm, off):  # one request at a time: one step of 2-4 rows each
         got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
         assert all(g == w for g, w, d in zip(got, want, decided) if d)
+
+
+@needs_kernel
+def test_a_k_quant_file_takes_its_blocks(tmp_path):
+    # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: each linear whose parts share
+    # a layout takes them (dequantized and rounded to bf16 they are its weight); q/k in Q4_K with v in Q6_K do not
+    # fuse, so qkv keeps the bf16 paths. Both layer loops then decode alike, and the pool ends whole.
+    from test_loader import hf_to_gguf_name, random_state_dict, tiny_config, write_gguf
+
+    from conftest import pool_is_whole
+    from pagellm import LLM, SamplingParams
+
+    cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)
+    _, sd = random_state_dict(cfg)
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}
+    raw = {}
+    for name, t in sd.items():
+        kind = types.get(name.split(".")[-2])
+        if kind and t.dim() == 2:
+            raw[hf_to_gguf_name(name)] = (kind, random_blocks(kind, t.shape[0], t.shape[1], seed=len(raw)).numpy())
+    path = write_gguf(tmp_path / "k.gguf", "llama", cfg, sd, tokenizer=False, raw=raw)
+    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
+    model = llm.llm_engine.model
+    assert model.linear_kernels.endswith("+gguf") and model.fast_lm_head.gguf.kind == "q8_2"
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        assert a.qkv_proj.gguf is None
+        assert (a.o_proj.gguf.kind, m.gate_up_proj.gguf.kind, m.down_proj.gguf.kind) == ("u8_1", "q4_1", "q8_2")
+        for lin in (a.o_proj, m.gate_up_proj, m.down_proj, model.fast_lm_head):
+            assert torch.equal(lin.gguf.dequantize().bfloat16(), lin.weight)
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * n) % 200 + 3 for i in range(n)]} for n in (1, 3)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    runs, decoder = [], model.decoder
+    try:
+        for fused in ((True, False) if decoder is not None else (False,)):
+            model.decoder = decoder if fused else None
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
+            assert pool_is_whole(llm)
+    finally:
+        model.decoder = decoder
+    assert all(r == runs[0] for r in runs) and all(len(ids) == 6 for ids, _ in runs[0])
 
 
 def test_bad_gguf_quantized_linears_names_the_field():

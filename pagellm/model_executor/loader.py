@@ -44,7 +44,7 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]  # HF parameter names, requested dtype, CPU; no lm_head when tied
     tokenizer: transformers.PreTrainedTokenizerBase | None
     source: str  # resolved path
-    # a GGUF's Q4_1 / Q8_0 linear weights in their blocks, by HF name (next to their dequantized copies in weights)
+    # a GGUF's linear weights in blocks of quants (layers/quantized.py), by HF name (next to their dequantized copies)
     quantized: dict[str, GGUFWeight] = field(default_factory=dict)
 
     @property

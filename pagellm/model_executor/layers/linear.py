@@ -39,9 +39,10 @@ benchmark on 2026-12-02 (another moment, compare within it):
   stream   10.9   17.1      -      -      -      -      -
 fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
 the reference's.
-A weight loaded from a GGUF file's Q4_1 / Q8_0 blocks also keeps those blocks (``set_gguf``, layers/quantized.py),
-and up to GEMV_MAX_ROWS rows the kernel on them (``csrc/gguf_linear_cpu.cpp``) comes first: a third / half of
-bf16's bytes to stream, each weight its exact fp32 value (single-request TPOT 0.61-0.73x on the AMX-less VM).
+A weight loaded from a GGUF file's Q4_x / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K blocks also keeps its quants (``set_gguf``,
+layers/quantized.py), and up to GEMV_MAX_ROWS rows the kernel on them (``csrc/gguf_linear_cpu.cpp``) comes first:
+6-10 bits a weight to stream against bf16's 16, each weight its exact fp32 value (single-request TPOT 0.61-0.73x on
+the AMX-less VM with the default model's Q4_1 / Q8_0).
 """
 from __future__ import annotations
 

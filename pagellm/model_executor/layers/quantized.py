@@ -1,11 +1,28 @@
-"""GGUF weights kept in the file's own blocks, for the linears' few-row path (``csrc/gguf_linear_cpu.cpp``).
+"""GGUF weights kept in blocks of 32 quants, for the linears' few-row path (``csrc/gguf_linear_cpu.cpp``).
 
 A decode step with a handful of requests is a pass over every weight, bound by memory bandwidth. The default
 model's layer linears are Q4_1 (32 weights a block, ``w = d * q + m``, q a nibble) and its tied embeddings Q8_0
 (``w = q * d``, q an int8): kept so, they are a third and a half of bf16's bytes. The loader dequantizes every tensor
-for the model's parameters as before and, for such a weight, also keeps its blocks (``gguf_loader.load_gguf``); the
-model fuses them as it fuses the parameters (q/k/v, gate/up) and hands them to its ``CPULinear`` layers, which take
-them up to ``GEMV_MAX_ROWS`` rows.
+for the model's parameters as before and, for a weight of a type below, also keeps its quants
+(``gguf_loader.load_gguf``); the model fuses them as it fuses the parameters (q/k/v, gate/up: parts of one layout
+only) and hands them to its ``CPULinear`` layers, which take them up to ``GEMV_MAX_ROWS`` rows.
+
+The kernel reads four layouts; every other supported GGUF type is re-packed into one of them at load, so that each
+weight is, bit for bit, the fp32 value ``gguf.quants.dequantize`` gives (its products are exact in fp32, and each
+layout keeps its one rounding: ``tests/test_gguf_linear.py`` checks every type against ``gguf``):
+
+============  ========================================  ==========================  ======================
+layout        qs per 32 weights                          scales (fp32) per 32        from
+============  ========================================  ==========================  ======================
+``q4_1``      16 bytes: element j in the low nibble of   d, m: ``w = d * q + m``     Q4_1; Q4_0 (m = -8 d);
+              byte j, j + 16 in its high one                                         Q4_K (d sc, -dmin m)
+``q8_0``      32 int8                                    d: ``w = q * d``            Q8_0; Q5_0 (q - 16)
+``u8_1``      32 uint8                                   d, m: ``w = d * q + m``     Q5_1; Q5_K (d sc, -dmin m)
+``q8_2``      32 int8                                    d for elements 0-15, 16-31  Q6_K (d sc per 16)
+============  ========================================  ==========================  ======================
+
+Scales are fp32 so the kernel broadcasts them from memory. Bits per weight as read: Q4_x and Q4_K 6, Q8_0 and
+Q5_0 9, Q5_1 / Q5_K / Q6_K 10, against bf16's 16.
 """
 from __future__ import annotations
 
@@ -16,28 +33,96 @@ import torch
 # bytes of one 32-weight block in the file: fp16 d, fp16 m, 16 bytes of nibbles / fp16 d, 32 int8
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
+# GGUF type name -> (weights a block, bytes a block) for the types kept in blocks
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from the last dim's byte pairs, as fp32: [..., 2 n] uint8 -> [..., n]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values: element j the low nibble of byte j, j + 16 its high one."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 bytes (a little-endian uint32) -> [..., 32]: bit j of the word, as 0 / 1."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> bits) & 1).flatten(-2)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and minimums ([..., 8] each, as gguf unpacks them)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_low(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K's 128 bytes -> [..., 8, 32] low nibbles: sub-block 2i the low nibbles of bytes 32i .. 32i + 31,
+    2i + 1 their high ones."""
+    q = qs.unflatten(-1, (4, 1, 32)) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    return (q & 0x0F).flatten(-3, -2)
+
 
 @dataclass
 class GGUFWeight:
-    """A weight [N, K] in blocks of 32, split for the kernel: ``qs`` the quants, uint8 [N, K/32, 16] for Q4_1
-    (byte j: element j in its low nibble, j + 16 in its high one, as in the file) or int8 [N, K/32, 32] for Q8_0;
-    ``scales`` fp32 [N, K/32, 2] (d, m) or [N, K/32, 1] (d): fp32 so the kernel broadcasts them from memory."""
+    """A weight [N, K] in blocks of 32 quants in one of the kernel's layouts (module docstring): ``qs`` uint8
+    [N, K/32, 16] (q4_1), int8 [N, K/32, 32] (q8_0, q8_2) or uint8 [N, K/32, 32] (u8_1); ``scales`` fp32
+    [N, K/32, 2], or [N, K/32, 1] for q8_0."""
 
-    kind: str  # "q4_1" or "q8_0"
+    kind: str  # the layout: "q4_1", "q8_0", "u8_1" or "q8_2"
     qs: torch.Tensor
     scales: torch.Tensor
 
     @classmethod
     def from_blocks(cls, kind: str, blocks: torch.Tensor) -> "GGUFWeight":
-        """blocks: uint8 [N, K/32 * BLOCK_BYTES[kind]], each row the file's blocks of one output row."""
-        b = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[kind])
-        if kind == "q4_1":
-            return cls(kind, b[..., 4:].contiguous(), b[..., :4].contiguous().view(torch.float16).float())
-        return cls(kind, b[..., 2:].contiguous().view(torch.int8), b[..., :2].contiguous().view(torch.float16).float())
+        """blocks: uint8 [N, K / block weights * block bytes], each row the file's blocks of one output row, of GGUF
+        type ``kind`` (a key of GGUF_BLOCKS; lower case accepted)."""
+        kind = kind.upper()
+        per, size = GGUF_BLOCKS[kind]
+        b = blocks.reshape(blocks.shape[0], -1, size)
+        if kind == "Q4_1":
+            return cls("q4_1", b[..., 4:].contiguous(), _f16(b[..., :4]))
+        if kind == "Q4_0":
+            d = _f16(b[..., :2])
+            return cls("q4_1", b[..., 2:].contiguous(), torch.cat([d, d * -8.0], dim=-1))
+        if kind == "Q8_0":
+            return cls("q8_0", b[..., 2:].contiguous().view(torch.int8), _f16(b[..., :2]))
+        if kind == "Q5_0":
+            q = _nibbles(b[..., 6:]) | (_high_bits(b[..., 2:6]) << 4)
+            return cls("q8_0", (q.to(torch.int16) - 16).to(torch.int8), _f16(b[..., :2]))
+        if kind == "Q5_1":
+            q = _nibbles(b[..., 8:]) | (_high_bits(b[..., 4:8]) << 4)
+            return cls("u8_1", q.contiguous(), _f16(b[..., :4]))
+        n = b.shape[0]
+        if kind in ("Q4_K", "Q5_K"):
+            d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+            sc, mn = _k_scales(b[..., 4:16])
+            scales = torch.stack([d * sc.float(), -(dmin * mn.float())], dim=-1).reshape(n, -1, 2)
+            if kind == "Q4_K":
+                q = _k_low(b[..., 16:144])  # [N, S, 8, 32]
+                return cls("q4_1", (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1, 16), scales)
+            qh = b[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+            q = _k_low(b[..., 48:176]) | ((qh & 1) << 4)
+            return cls("u8_1", q.reshape(n, -1, 32), scales)
+        if kind == "Q6_K":
+            ql, qh = b[..., 0:128], b[..., 128:192]
+            sc, d = b[..., 192:208].contiguous().view(torch.int8), _f16(b[..., 208:210])
+            low = (ql.unflatten(-1, (2, 1, 64)) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F
+            high = (qh.unflatten(-1, (2, 1, 32)) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 0x03
+            q = low.reshape(n, -1, 8, 32) | (high.reshape(n, -1, 8, 32) << 4)
+            q = (q.to(torch.int16) - 32).to(torch.int8)
+            return cls("q8_2", q.reshape(n, -1, 32), (d * sc.float()).reshape(n, -1, 2))
+        raise ValueError(f"GGUF type {kind} is not kept in blocks")
 
     @staticmethod
     def cat(parts: list["GGUFWeight"]) -> "GGUFWeight | None":
-        """Rows stacked, as ``torch.cat`` of the weights (fused q/k/v, gate/up); None for parts of different kinds."""
+        """Rows stacked, as ``torch.cat`` of the weights (fused q/k/v, gate/up); None for parts of different layouts."""
         if len({p.kind for p in parts}) != 1:
             return None
         if len(parts) == 1:
@@ -49,10 +134,13 @@ class GGUFWeight:
         return self.qs.shape[0], self.qs.shape[1] * 32
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight as the loader computes it (``gguf_loader._dequantize_torch``)."""
+        """The fp32 weight, as the kernel computes each weight (and ``gguf.quants.dequantize``)."""
         if self.kind == "q4_1":
-            q = torch.cat([self.qs & 0x0F, self.qs >> 4], dim=-1).float()
-            w = self.scales[..., :1] * q + self.scales[..., 1:]
-        else:
+            w = self.scales[..., :1] * _nibbles(self.qs).float() + self.scales[..., 1:]
+        elif self.kind == "u8_1":
+            w = self.scales[..., :1] * self.qs.float() + self.scales[..., 1:]
+        elif self.kind == "q8_0":
             w = self.qs.float() * self.scales
+        else:
+            w = (self.qs.float().unflatten(-1, (2, 16)) * self.scales.unsqueeze(-1)).flatten(-2)
         return w.reshape(self.shape)

@@ -2,7 +2,11 @@
 // y, with w in a GGUF file's own blocks of 32 weights (the loader keeps them split, layers/quantized.py):
 //   Q4_1: qs uint8 [N, K/32, 16] (byte j: element j in its low nibble, j + 16 in its high one, as in the file),
 //         scales fp32 [N, K/32, 2] (d, m); w = d * q + m (the default model's layer linears);
-//   Q8_0: qs int8 [N, K/32, 32], scales fp32 [N, K/32, 1] (d); w = q * d (its tied embeddings, the LM head).
+//   Q8_0: qs int8 [N, K/32, 32], scales fp32 [N, K/32, 1] (d); w = q * d (its tied embeddings, the LM head);
+//   U8_1: qs uint8 [N, K/32, 32], scales fp32 [N, K/32, 2] (d, m); w = d * q + m;
+//   Q8_2: qs int8 [N, K/32, 32], scales fp32 [N, K/32, 2] (a d for each 16 weights); w = q * d.
+// Other GGUF types are re-packed into these at load, exactly (layers/quantized.py: Q4_0 and Q4_K as Q4_1, Q5_0 as
+// Q8_0, Q5_1 and Q5_K as U8_1, Q6_K as Q8_2).
 //
 // Why: with so few rows a linear layer is a pass over its weight, bound by memory bandwidth (gemv_cpu.cpp streams
 // bf16 at the machine's rate). Q4_1 kept this way is 6 bits a weight and Q8_0 9, against bf16's 16: a decode step
@@ -52,6 +56,29 @@ struct Q8_0 {
     const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+  }
+};
+
+// 5-bit and wider unsigned quants with a minimum (Q5_1, Q5_K): one uint8 a weight, w = d * q + m.
+struct U8_1 {
+  static constexpr int kBytes = 32, kScales = 2;
+  static PAGELLM_INLINE void weights(const uint8_t* q, const float* s, __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0))), m);
+    w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1))), m);
+  }
+};
+
+// Signed quants with a scale per 16 weights (Q6_K): one int8 a weight, w = q * d (d: elements 0-15, then 16-31).
+struct Q8_2 {
+  static constexpr int kBytes = 32, kScales = 2;
+  static PAGELLM_INLINE void weights(const uint8_t* q, const float* s, __m512& w0, __m512& w1) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_set1_ps(s[0]));
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_set1_ps(s[1]));
   }
 };
 
@@ -132,8 +159,9 @@ bool gguf_linear_supported() {
 #endif
 }
 
-// qs: uint8 [N, K/32, 16] with scales fp32 [N, K/32, 2] (Q4_1), or int8 [N, K/32, 32] with scales fp32
-// [N, K/32, 1] (Q8_0); x [M, K] bf16 (1 <= M <= 4, rows may be strided).
+// qs and scales (fp32 [N, K/32, S]) in one of the layouts above, told apart by qs's dtype and last size and S:
+// uint8 [N, K/32, 16] with S = 2 (Q4_1), int8 [N, K/32, 32] with S = 1 (Q8_0), uint8 [N, K/32, 32] with S = 2
+// (U8_1), int8 [N, K/32, 32] with S = 2 (Q8_2); x [M, K] bf16 (1 <= M <= 4, rows may be strided).
 void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(gguf_linear_supported(), "gguf_linear needs AVX-512");
@@ -142,14 +170,14 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
   TORCH_CHECK(M >= 1 && M <= 4 && N >= 0, "x: 1 to 4 rows, out: [M, N]");
   TORCH_CHECK(K % 32 == 0, "gguf_linear: K (", K, ") must be a multiple of 32");
-  const bool q4 = qs.scalar_type() == at::kByte;
-  TORCH_CHECK((q4 || qs.scalar_type() == at::kChar) && qs.is_contiguous() && qs.dim() == 3 && qs.size(0) == N &&
-              qs.size(1) == K / 32 && qs.size(2) == (q4 ? 16 : 32),
-              "qs: uint8 [N, K / 32, 16] (Q4_1) or int8 [N, K / 32, 32] (Q8_0), got ", qs.scalar_type(), " ",
-              qs.sizes());
+  const bool u8 = qs.scalar_type() == at::kByte;
+  TORCH_CHECK((u8 || qs.scalar_type() == at::kChar) && qs.is_contiguous() && qs.dim() == 3 && qs.size(0) == N &&
+              qs.size(1) == K / 32 && (qs.size(2) == 32 || (u8 && qs.size(2) == 16)),
+              "qs: uint8 [N, K / 32, 16 or 32] or int8 [N, K / 32, 32], got ", qs.scalar_type(), " ", qs.sizes());
+  const bool nibbles = qs.size(2) == 16;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-              scales.size(0) == N && scales.size(1) == K / 32 && scales.size(2) == (q4 ? 2 : 1),
-              "scales: float32 [N, K / 32, ", q4 ? 2 : 1, "], got ", scales.sizes());
+              scales.size(0) == N && scales.size(1) == K / 32 && (scales.size(2) == 2 || (!u8 && scales.size(2) == 1)),
+              "scales: float32 [N, K / 32, ", u8 ? "2" : "1 or 2", "], got ", scales.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
@@ -162,8 +190,10 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc
     for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xf.data() + m * K + k, load16(xp + m * x.stride(0) + k));
   const Operands o{xf.data(), K, N, static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(),
                    has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0)};
-  if (q4) run<Q4_1>(o, M);
-  else run<Q8_0>(o, M);
+  if (nibbles) run<Q4_1>(o, M);
+  else if (u8) run<U8_1>(o, M);
+  else if (scales.size(2) == 1) run<Q8_0>(o, M);
+  else run<Q8_2>(o, M);
 #endif
 }
 

@@ -69,6 +69,11 @@ constexpr int kRowExp = 9;      // a row's largest |x| times 2^(kRowExp - its ex
 // those loads (the FMA after a panel load held ~8% of the kernel's samples in `perf annotate`).
 // At the last step it reaches past the panel, which is harmless: a prefetch never faults.
 constexpr int kPrefetchLines = 16;
+// The panels of the item a thread runs next come into L2 while it runs this item's micro-blocks 1 and 2 (half of
+// each panel during each, one line per k-pair step): the next item's first micro-block then reads them from L2 rather
+// than from memory. SmolLM2's linears at 64 rows (decode), alternating in one process: 0.91-0.93x the time on two
+// threads, 0.90x on one, the LM head 0.89x; 0.97x at 256 rows, unchanged at 2,048; decode steps of workload_64
+// 0.96-0.97x (2026-12-02, AMX-less VM). The AMX kernel does the same (amx_linear_cpu.cpp).
 
 struct Gemm {
   const bf16* x;
@@ -137,9 +142,11 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
   }
 }
 
-// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed bf16 panels; out: [R][NP].
+// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed bf16 panels; out: [R][NP];
+// pn: null, or NP panels to bring into L2 (the next item's), one line per k-pair step.
 template <int R, int NP>
-PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, __m512 (&out)[kMR][2]) {
+PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, __m512 (&out)[kMR][2],
+                          const char* const* pn) {
   __m512 acc[R][NP];
   PAGELLM_UNROLL for (int m = 0; m < R; ++m)
     PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -156,6 +163,10 @@ PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n
         const __m512i w = _mm512_loadu_si512(bk[p] + r * 32);
         we[p] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
         wo[p] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
+      }
+      if (pn) {
+        const int64_t it = kc * 16 + r;
+        _mm_prefetch(pn[it % NP] + (it / NP) * 64, _MM_HINT_T1);
       }
       const float* ar = ak + r * kMR * 2;
       PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
@@ -177,7 +188,7 @@ PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n
 // hi: 8-15, parities interleaved); the parities are summed and the scales undone once at the end.
 template <int R, int NP>
 PAGELLM_INLINE void micro_half(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
-                               __m512 (&out)[kMR][2]) {
+                               __m512 (&out)[kMR][2], const char* const* pn) {
   const int* pairs = reinterpret_cast<const int*>(a);
   const float* row_inv = a + kc_n * 16 * kMR;
   __m512h acc[R][NP];
@@ -195,6 +206,10 @@ PAGELLM_INLINE void micro_half(const float* a, const uint16_t* const* b, int64_t
       PAGELLM_UNROLL for (int p = 0; p < NP; ++p) w[p] = _mm512_castsi512_ph(_mm512_loadu_si512(bk[p] + r * 32));
       PAGELLM_UNROLL for (int p = 0; p < NP; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(bk[p] + r * 32) + kPrefetchLines * 64, _MM_HINT_T0);
+      if (pn) {
+        const int64_t it = kc * 16 + r;
+        _mm_prefetch(pn[it % NP] + (it / NP) * 64, _MM_HINT_T1);
+      }
       const int* ar = ak + r * kMR;
       PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
         const __m512h xv = _mm512_castsi512_ph(_mm512_set1_epi32(ar[m]));
@@ -223,11 +238,11 @@ PAGELLM_INLINE void micro_half(const float* a, const uint16_t* const* b, int64_t
 
 template <bool kHalf, int R, int NP>
 PAGELLM_INLINE void multiply(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
-                             __m512 (&out)[kMR][2]) {
+                             __m512 (&out)[kMR][2], const char* const* pn = nullptr) {
 #if defined(__AVX512FP16__)
-  if constexpr (kHalf) return micro_half<R, NP>(a, b, kc_n, w_inv, out);
+  if constexpr (kHalf) return micro_half<R, NP>(a, b, kc_n, w_inv, out, pn);
 #endif
-  micro<R, NP>(a, b, kc_n, out);
+  micro<R, NP>(a, b, kc_n, out, pn);
 }
 
 // bf16 of v (+ bias[0..16)) into y's 16 columns, the first `cols` of them.
@@ -240,12 +255,23 @@ inline void store_cols(bf16* y, __m512 v, const bf16* bias, int64_t cols) {
 
 // One micro-block's R rows at y's rows m0.. and its 32-column block nb: multiplies, then the epilogue.
 template <bool kHalf, int R>
-void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
+void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb, int64_t nb_next, int part) {
   const int64_t panel = g.K / 32 * 512, tiles_n = (g.N + 15) / 16;
   __m512 acc[kMR][2];
+  // part 1 / 2: this micro-block prefetches the first / second halves of column block nb_next's panels
+  const char* pn_buf[2];
+  const char* const* pn = nullptr;
+  if (nb_next >= 0 && part > 0) {
+    const int64_t half = (part - 1) * panel;  // in bytes: a panel's elements are 2 bytes
+    const int64_t p0 = g.up_tile > 0 ? nb_next : 2 * nb_next;
+    const int64_t p1 = g.up_tile > 0 ? nb_next + g.up_tile : std::min(2 * nb_next + 1, tiles_n - 1);
+    pn_buf[0] = reinterpret_cast<const char*>(g.bp + p0 * panel) + half;
+    pn_buf[1] = reinterpret_cast<const char*>(g.bp + p1 * panel) + half;
+    pn = pn_buf;
+  }
   if (g.up_tile > 0) {  // silu_mul: 16 columns, gate's panel and up's
     const uint16_t* b[2] = {g.bp + nb * panel, g.bp + (nb + g.up_tile) * panel};
-    multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc);
+    multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc, pn);
     const int64_t n0 = nb * 16;
     for (int m = 0; m < R; ++m) {
       bf16* ym = g.y + (m0 + m) * g.ldy + n0;
@@ -258,7 +284,7 @@ void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
   }
   const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
   const uint16_t* b[2] = {g.bp + t0 * panel, g.bp + (t0 + nt - 1) * panel};
-  if (nt == 2) multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc);
+  if (nt == 2) multiply<kHalf, R, 2>(a, b, g.K / 32, g.w_inv, acc, pn);
   else multiply<kHalf, R, 1>(a, b, g.K / 32, g.w_inv, acc);
   for (int m = 0; m < R; ++m) {
     bf16* ym = g.y + (m0 + m) * g.ldy + n0;
@@ -269,9 +295,9 @@ void micro_block(const Gemm& g, const float* a, int64_t m0, int64_t nb) {
 }
 
 template <bool kHalf, int... Rs>
-void micro_block_rows(int rows, const Gemm& g, const float* a, int64_t m0, int64_t nb,
+void micro_block_rows(int rows, const Gemm& g, const float* a, int64_t m0, int64_t nb, int64_t nb_next, int part,
                       std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? micro_block<kHalf, Rs + 1>(g, a, m0, nb) : void()), ...);
+  ((rows == Rs + 1 ? micro_block<kHalf, Rs + 1>(g, a, m0, nb, nb_next, part) : void()), ...);
 }
 
 // Work items u = (row chunk u / blocks, column block u % blocks), [lo, hi) in the given direction.
@@ -283,10 +309,14 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, std::vector<fl
     const int64_t m0 = chunk * kRowChunk, rows = std::min(kRowChunk, g.M - m0);
     if (chunk != a_chunk) convert_rows<kHalf>(g, m0, rows, a.data()), a_chunk = chunk;
     const int64_t n_mb = micro_blocks(rows);
+    // the column block this thread runs next, if in this row chunk: micro-blocks 1 and 2 prefetch its panels
+    const int64_t u_next = ascending ? u + 1 : u - 1;
+    const int64_t nb_next = k + 1 < hi - lo && u_next / g.blocks == chunk ? u_next % g.blocks : -1;
     for (int64_t i = 0; i < n_mb; ++i) {
       const int64_t r0 = micro_start(rows, i);
       micro_block_rows<kHalf>(static_cast<int>(micro_start(rows, i + 1) - r0), g,
-                              a.data() + i * block_floats<kHalf>(g.K), m0 + r0, nb,
+                              a.data() + i * block_floats<kHalf>(g.K), m0 + r0, nb, nb_next,
+                              n_mb >= 3 && (i == 1 || i == 2) ? static_cast<int>(i) : 0,
                               std::make_integer_sequence<int, kMR>{});
     }
   }

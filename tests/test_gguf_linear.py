@@ -12,7 +12,7 @@ from gguf import quants as gguf_quants
 
 from pagellm.model_executor.gguf_loader import _dequantize_torch
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFWeight
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight
 
 ops = load_extension()
 needs_kernel = pytest.mark.skipif(not ops.gguf_linear_supported(), reason="CPU without AVX-512")
@@ -62,7 +62,11 @@ def test_blocks_dequantize_as_the_loader(kind):
     both = GGUFWeight.cat([q, GGUFWeight.from_blocks(kind, random_blocks(kind, 8, 96, seed=1))])
     assert both.shape == (32, 96) and torch.equal(both.dequantize()[:24], q.dequantize())
     other = "q8_0" if kind == "q4_1" else "q4_1"
-    assert GGUFWeight.cat([q, GGUFWeight.from_blocks(other, random_blocks(other, 8, 96))]) is None
+    o = GGUFWeight.from_blocks(other, random_blocks(other, 8, 96))
+    mixed = GGUFWeight.cat([q, q, o])  # runs of one layout merge: two parts, rows in order
+    assert isinstance(mixed, GGUFParts) and [p.kind for p in mixed.parts] == [kind, other]
+    assert mixed.shape == (56, 96) and [col for _, col in mixed.pieces] == [0, 48]
+    assert torch.equal(mixed.dequantize(), torch.cat([q.dequantize(), q.dequantize(), o.dequantize()]))
 
 
 @needs_kernel
@@ -97,6 +101,26 @@ def test_kernel_is_the_fp32_weights_product(kind, rows, n, k):
         ops.gguf_linear(x, q.qs, q.scales, bias, out)
         ref = x.double() @ w.T + (0 if bias is None else bias.double())
         err = (out.double() - ref).abs()
+        assert (err <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all(), err.max()
+
+
+@needs_kernel
+def test_a_linear_of_mixed_parts_writes_each_into_its_columns():
+    # CPULinear with a fused weight of three parts in two layouts and a bias: at up to 4 rows, one kernel call a
+    # part into its columns (bias sliced alike) is the product with the whole fp32 weight
+    from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
+
+    parts = [GGUFWeight.from_blocks(kind, random_blocks(kind, n, 512, seed=n)) for kind, n in
+             (("Q4_K", 40), ("Q4_K", 24), ("Q6_K", 24))]
+    fused = GGUFWeight.cat(parts)
+    w = fused.dequantize()
+    bias = torch.randn(88).bfloat16()
+    lin = CPULinear(w.bfloat16(), bias, cpu_kernels(ops, torch.bfloat16))
+    assert lin.set_gguf(fused) and len(fused.pieces) == 2
+    for rows in (1, 3):
+        x = torch.randn(rows, 512).bfloat16()
+        ref = x.double() @ w.double().T + bias.double()
+        err = (lin(x).double() - ref).abs()
         assert (err <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all(), err.max()
 
 
@@ -197,9 +221,9 @@ def test_short_prompts_agree_with_fp32(gguf_path, gguf_llm):
 
 @needs_kernel
 def test_a_k_quant_file_takes_its_blocks(tmp_path):
-    # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: each linear whose parts share
-    # a layout takes them (dequantized and rounded to bf16 they are its weight); q/k in Q4_K with v in Q6_K do not
-    # fuse, so qkv keeps the bf16 paths. Both layer loops then decode alike, and the pool ends whole.
+    # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: every linear takes its quants
+    # (dequantized and rounded to bf16 they are its weight), qkv as two parts (q and k in Q4_K, then v in Q6_K),
+    # each into its columns. Both layer loops then decode alike, and the pool ends whole.
     from test_loader import hf_to_gguf_name, random_state_dict, tiny_config, write_gguf
 
     from conftest import pool_is_whole
@@ -220,9 +244,9 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
     assert model.linear_kernels.endswith("+gguf") and model.fast_lm_head.gguf.kind == "q8_2"
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        assert a.qkv_proj.gguf is None
+        assert [p.kind for p in a.qkv_proj.gguf.parts] == ["q4_1", "q8_2"]
         assert (a.o_proj.gguf.kind, m.gate_up_proj.gguf.kind, m.down_proj.gguf.kind) == ("u8_1", "q4_1", "q8_2")
-        for lin in (a.o_proj, m.gate_up_proj, m.down_proj, model.fast_lm_head):
+        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj, model.fast_lm_head):
             assert torch.equal(lin.gguf.dequantize().bfloat16(), lin.weight)
     prompts = [{"prompt_token_ids": [(11 * i + 5 * n) % 200 + 3 for i in range(n)]} for n in (1, 3)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)

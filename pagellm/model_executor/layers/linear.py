@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.model_executor.layers.quantized import GGUFWeight
+from pagellm.model_executor.layers.quantized import GGUFParts, GGUFWeight
 
 logger = logging.getLogger("pagellm")
 
@@ -121,7 +121,7 @@ class CPULinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.kernels = kernels
         # the weight in a GGUF file's blocks where it came from one (set_gguf): the kernel for up to GEMV_MAX_ROWS rows
-        self.gguf: GGUFWeight | None = None
+        self.gguf: GGUFWeight | GGUFParts | None = None
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -139,11 +139,11 @@ class CPULinear(nn.Module):
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
 
-    def set_gguf(self, q: GGUFWeight | None) -> bool:
+    def set_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
         """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
         shapes match; returns whether it will."""
         if (q is None or self.kernels.gguf is None or q.shape != tuple(self.weight.shape)
-                or self.weight.dtype != torch.bfloat16):
+                or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
         self.gguf = q
         return True
@@ -153,7 +153,10 @@ class CPULinear(nn.Module):
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
             if self.gguf is not None and rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
-                self.kernels.gguf(x, self.gguf.qs, self.gguf.scales, self.bias, out)
+                for q, col in self.gguf.pieces:  # one piece, or the parts of a fused weight of mixed layouts
+                    n = q.shape[0]
+                    bias = None if self.bias is None else self.bias[col:col + n]
+                    self.kernels.gguf(x, q.qs, q.scales, bias, out[:, col:col + n])
                 return out
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)

@@ -4,8 +4,9 @@ A decode step with a handful of requests is a pass over every weight, bound by m
 model's layer linears are Q4_1 (32 weights a block, ``w = d * q + m``, q a nibble) and its tied embeddings Q8_0
 (``w = q * d``, q an int8): kept so, they are a third and a half of bf16's bytes. The loader dequantizes every tensor
 for the model's parameters as before and, for a weight of a type below, also keeps its quants
-(``gguf_loader.load_gguf``); the model fuses them as it fuses the parameters (q/k/v, gate/up: parts of one layout
-only) and hands them to its ``CPULinear`` layers, which take them up to ``GEMV_MAX_ROWS`` rows.
+(``gguf_loader.load_gguf``); the model fuses them as it fuses the parameters (q/k/v, gate/up; parts of different
+layouts as ``GGUFParts``, one kernel call each) and hands them to its ``CPULinear`` layers, which take them up to
+``GEMV_MAX_ROWS`` rows.
 
 The kernel reads four layouts; every other supported GGUF type is re-packed into one of them at load, so that each
 weight is, bit for bit, the fp32 value ``gguf.quants.dequantize`` gives (its products are exact in fp32, and each
@@ -121,13 +122,23 @@ class GGUFWeight:
         raise ValueError(f"GGUF type {kind} is not kept in blocks")
 
     @staticmethod
-    def cat(parts: list["GGUFWeight"]) -> "GGUFWeight | None":
-        """Rows stacked, as ``torch.cat`` of the weights (fused q/k/v, gate/up); None for parts of different layouts."""
-        if len({p.kind for p in parts}) != 1:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]))
+    def cat(parts: list["GGUFWeight"]) -> "GGUFWeight | GGUFParts":
+        """Rows stacked, as ``torch.cat`` of the weights (fused q/k/v, gate/up): one weight where the parts share a
+        layout, else the runs of neighbouring parts that do (Q4_K_M's q and k in Q4_K with v in Q6_K: two)."""
+        runs: list[list[GGUFWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].kind == p.kind:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        merged = [r[0] if len(r) == 1 else GGUFWeight(r[0].kind, torch.cat([p.qs for p in r]),
+                                                       torch.cat([p.scales for p in r])) for r in runs]
+        return merged[0] if len(merged) == 1 else GGUFParts(merged)
+
+    @property
+    def pieces(self) -> list[tuple["GGUFWeight", int]]:
+        """(weight, first output column): the kernel's calls for this weight."""
+        return [(self, 0)]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -144,3 +155,28 @@ class GGUFWeight:
         else:
             w = (self.qs.float().unflatten(-1, (2, 16)) * self.scales.unsqueeze(-1)).flatten(-2)
         return w.reshape(self.shape)
+
+
+@dataclass
+class GGUFParts:
+    """A fused weight whose parts lie in different layouts: their rows stacked in order, one kernel call each into
+    its columns of the output."""
+
+    parts: list[GGUFWeight]
+
+    kind = "parts"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def pieces(self) -> list[tuple[GGUFWeight, int]]:
+        out, col = [], 0
+        for p in self.parts:
+            out.append((p, col))
+            col += p.shape[0]
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])

@@ -270,12 +270,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                q = lin.gguf
+            pieces = [[q for q, _ in lin.gguf.pieces] if lin.gguf is not None else []
+                      for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            for lin, qs in zip((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj), pieces):
                 tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias,
-                            no_blocks if q is None else q.qs, no_blocks if q is None else q.scales]
+                            qs[0].qs if qs else no_blocks, qs[0].scales if qs else no_blocks]
             decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0,
                               [lin.w_inv for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)])
+            for which, qs in enumerate(pieces):  # a fused weight of mixed layouts: its further parts
+                for q in qs[1:]:
+                    decoder.add_gguf_part(which, q.qs, q.scales)
         return decoder
 
     @torch.no_grad()

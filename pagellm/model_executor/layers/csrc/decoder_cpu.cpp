@@ -38,7 +38,9 @@ struct Linear {
   at::Tensor packed, weight;  // AMX B-tile order (layers/linear.py: pack_amx, or pack_fp16), and plain [N, K]
   c10::optional<at::Tensor> bias;
   double w_inv = 1.0;  // an fp16 packed weight's scale (pack_fp16), for the FMA kernel
-  at::Tensor gguf_qs, gguf_scales;  // a GGUF's blocks (layers/quantized.py: GGUFWeight), undefined if none
+  // a GGUF's quants (layers/quantized.py: GGUFWeight), none if empty; several parts for a fused weight of mixed
+  // layouts (GGUFParts), each into the next columns of the output
+  std::vector<at::Tensor> gguf_qs, gguf_scales;
 };
 
 struct Layer {
@@ -74,13 +76,23 @@ class LlamaDecoder : public torch::CustomClassHolder {
                   "LlamaDecoder: bfloat16 weights and biases only");
       Linear l{w[i], w[i + 1], c10::nullopt, w_inv[(i - 2) / 5]};
       if (w[i + 2].numel() > 0) l.bias = w[i + 2];
-      if (w[i + 3].numel() > 0) l.gguf_qs = w[i + 3], l.gguf_scales = w[i + 4];
+      if (w[i + 3].numel() > 0) l.gguf_qs = {w[i + 3]}, l.gguf_scales = {w[i + 4]};
       return l;
     };
     Layer layer{w[0], w[1], linear(2), linear(7), linear(12), linear(17), window};
     TORCH_CHECK(layer.qkv.weight.size(0) == (H_ + 2 * Hkv_) * D_ && layer.gate_up.weight.size(0) == 2 * I_,
                 "add_layer: weight shapes do not match the model's");
     layers_.push_back(std::move(layer));
+  }
+
+  // A further part of linear `which` (0-3: qkv, o, gate_up, down) of the last layer added: its rows follow the
+  // previous parts' in the output (layers/quantized.py: GGUFParts).
+  void add_gguf_part(int64_t which, at::Tensor qs, at::Tensor scales) {
+    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "add_gguf_part: a linear (0-3) of an added layer");
+    Layer& L = layers_.back();
+    Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+    TORCH_CHECK(!l.gguf_qs.empty(), "add_gguf_part: the linear has no first part");
+    l.gguf_qs.push_back(qs), l.gguf_scales.push_back(scales);
   }
 
   // The per-layer views of the KV cache, [NB, Hkv, D/x, B, x] and [NB, Hkv, B/x, D, x] (cpu_attention.views; x = 2
@@ -199,12 +211,18 @@ class LlamaDecoder : public torch::CustomClassHolder {
     else add_rms_norm(h, residual, weight, eps_);
   }
 
-  bool takes_gguf(const Linear& l, int64_t rows) const { return l.gguf_qs.defined() && rows <= gguf_max_rows_; }
+  bool takes_gguf(const Linear& l, int64_t rows) const { return !l.gguf_qs.empty() && rows <= gguf_max_rows_; }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
       PAGELLM_RANGE("pagellm::gguf_linear");
-      gguf_linear(x, l.gguf_qs, l.gguf_scales, l.bias, out);
+      int64_t col = 0;
+      for (size_t p = 0; p < l.gguf_qs.size(); ++p) {
+        const int64_t n = l.gguf_qs[p].size(0);
+        gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p],
+                    l.bias ? c10::optional<at::Tensor>(l.bias->narrow(0, col, n)) : c10::nullopt, out.narrow(1, col, n));
+        col += n;
+      }
     } else if (x.size(0) <= gemv_max_rows_) {
       PAGELLM_RANGE("pagellm::small_m_linear");
       small_m_linear(x, l.weight, l.bias, out);
@@ -268,6 +286,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool>())
       .def("add_layer", &LlamaDecoder::add_layer)
+      .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);
 }

@@ -102,6 +102,19 @@ def test_pack_fp16_is_exact_and_scaled_below_one():
     assert one == 1.0 and not zero.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pack_amx_puts_each_weight_in_its_tile(dtype):
+    # element [c, k, r, n, e] = weight[16c + n, 32k + 2r + e], columns past N zero (N = 40: a padded last tile),
+    # for the 16-bit dtypes' 32-bit-pair copy and the plain one alike
+    w = torch.arange(40 * 64, dtype=torch.float32).reshape(40, 64).to(dtype)
+    p = pack_amx(w)
+    assert p.shape == (3, 2, 16, 16, 2) and p.dtype == dtype and p.is_contiguous()
+    c, k, r, n, e = (t.flatten() for t in torch.meshgrid(*(torch.arange(s) for s in p.shape), indexing="ij"))
+    rows, cols = 16 * c + n, 32 * k + 2 * r + e
+    inside = rows < 40
+    assert torch.equal(p.flatten()[inside], w[rows[inside], cols[inside]]) and not p.flatten()[~inside].any()
+
+
 @needs_fp16
 def test_bad_operands_get_clear_errors():
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()

@@ -423,7 +423,7 @@ def load_gguf(
 ) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None,
            dict[str, GGUFWeight]]:
     """``(config, hf_architecture, weights, tokenizer, quantized)`` from a single GGUF file. ``quantized``: the
-    linear weights (and embeddings) stored as Q4_1 or Q8_0, in the file's blocks (HF names; rows un-permuted as
+    linear weights (and embeddings) of a type quantized.GGUF_BLOCKS lists, as quants (HF names; rows un-permuted as
     the dequantized weights), for the linears' few-row kernel (layers/quantized.py)."""
     gguf_file = open_gguf(path)
     meta = read_metadata(gguf_file)

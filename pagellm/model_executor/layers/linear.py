@@ -96,11 +96,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/16), K/32, 16, 16, 2]: element [c, k, r, n, e] = weight[16c + n, 32k + 2r + e]
-    (columns past N are zero): each 16-column x 32-deep slice is one AMX B tile, one contiguous KiB."""
+    (columns past N are zero): each 16-column x 32-deep slice is one AMX B tile, one contiguous KiB. A 16-bit
+    weight moves as 32-bit pairs (one permuted copy of int32s: about half the time of moving 16-bit elements,
+    ~0.1 s for a TinyLlama gate/up)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype, device=weight.device)
-    padded[:n] = weight.detach()
-    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    w = weight.detach()
+    if n % 16:
+        w = torch.cat([w, w.new_zeros(-(-n // 16) * 16 - n, k)])
+    if w.element_size() != 2:
+        return w.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    pairs = w.contiguous().view(torch.int32).view(-1, 16, k // 32, 16).permute(0, 2, 3, 1).contiguous()
+    return pairs.view(weight.dtype).view(-1, k // 32, 16, 16, 2)
 
 
 def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -109,7 +115,10 @@ def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     and 2^e, by which the kernel scales its result back. -> (packed, 2^e)."""
     top = weight.detach().abs().max().item() if weight.numel() else 0.0
     e = min(max(math.frexp(top)[1], -126), 126) if 0.0 < top < math.inf else 0
-    return pack_amx((weight.detach().float() * 2.0 ** -e).half()), 2.0 ** e
+    # bf16 (or fp16) times a power of two is exact in its own dtype (fp16's range is checked by the scaling itself:
+    # the largest |value| lands in [0.5, 1)), so no fp32 copy is needed before the one rounding to fp16
+    scaled = weight.detach() * 2.0 ** -e if weight.dtype == torch.bfloat16 else weight.detach().float() * 2.0 ** -e
+    return pack_amx(scaled.half()), 2.0 ** e
 
 
 class CPULinear(nn.Module):

@@ -56,11 +56,12 @@ def main() -> None:
     w.add_tensor("token_embd.weight", blocks(rng, Q.Q4_K, vocab, hidden), raw_dtype=Q.Q4_K)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     w.add_tensor("output.weight", blocks(rng, Q.Q6_K, vocab, hidden), raw_dtype=Q.Q6_K)
+    kv = kv_heads * head_dim
+    linears = (("attn_q", Q.Q4_K, hidden, hidden), ("attn_k", Q.Q4_K, kv, hidden), ("attn_v", Q.Q6_K, kv, hidden),
+               ("attn_output", Q.Q4_K, hidden, hidden), ("ffn_gate", Q.Q4_K, inter, hidden),
+               ("ffn_up", Q.Q4_K, inter, hidden), ("ffn_down", Q.Q6_K, hidden, inter))
     for i in range(layers):
-        for name, qtype, rows, cols in (("attn_q", Q.Q4_K, hidden, hidden), ("attn_k", Q.Q4_K, kv_heads * head_dim, hidden),
-                                        ("attn_v", Q.Q6_K, kv_heads * head_dim, hidden),
-                                        ("attn_output", Q.Q4_K, hidden, hidden), ("ffn_gate", Q.Q4_K, inter, hidden),
-                                        ("ffn_up", Q.Q4_K, inter, hidden), ("ffn_down", Q.Q6_K, hidden, inter)):
+        for name, qtype, rows, cols in linears:
             w.add_tensor(f"blk.{i}.{name}.weight", blocks(rng, qtype, rows, cols), raw_dtype=qtype)
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))

@@ -219,8 +219,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
       int64_t col = 0;
       for (size_t p = 0; p < l.gguf_qs.size(); ++p) {
         const int64_t n = l.gguf_qs[p].size(0);
-        gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p],
-                    l.bias ? c10::optional<at::Tensor>(l.bias->narrow(0, col, n)) : c10::nullopt, out.narrow(1, col, n));
+        c10::optional<at::Tensor> bias;
+        if (l.bias) bias = l.bias->narrow(0, col, n);
+        gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p], bias, out.narrow(1, col, n));
         col += n;
       }
     } else if (x.size(0) <= gemv_max_rows_) {

@@ -30,13 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# bytes of one 32-weight block in the file: fp16 d, fp16 m, 16 bytes of nibbles / fp16 d, 32 int8
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-
-# GGUF type name -> (weights a block, bytes a block) for the types kept in blocks
-GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-               "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# GGUF type name -> (weights a block, bytes a block) for the types kept as quants
+GGUF_BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+               for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -446,25 +446,28 @@ def load_gguf(
                 f"{path}: unexpected GGUF tensor {tensor.name!r} for architecture {arch!r} "
                 f"(unsupported model variant?); supported: {_supported_list()}"
             )
-        arr = dequantize_tensor(tensor, path)
-        blocks = _gguf_blocks(tensor, hf_name)
+        # a weight kept as quants is dequantized from them (the same values as dequantize_tensor's, unpacked once)
+        q = _gguf_quants(tensor, hf_name, path)
+        arr = q.dequantize().numpy() if q is not None else dequantize_tensor(tensor, path)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
         if arch in PERMUTED_QK_ARCHITECTURES and heads:
             arr = reverse_permute_qk(arr, heads)
-            blocks = None if blocks is None else (blocks[0], reverse_permute_qk(blocks[1], heads))
+            if q is not None:  # the quants' rows alike
+                q = GGUFWeight(q.kind, *(torch.from_numpy(reverse_permute_qk(t.numpy(), heads))
+                                         for t in (q.qs, q.scales)))
         weights[hf_name] = _to_torch(arr, dtype)
-        if blocks is not None:
-            quantized[hf_name] = GGUFWeight.from_blocks(blocks[0], torch.from_numpy(blocks[1]))
+        if q is not None:
+            quantized[hf_name] = q
     if not getattr(config, "tie_word_embeddings", False):
         quantized.pop("model.embed_tokens.weight", None)  # an embedding only; the LM head has its own weight
     tokenizer = gguf_tokenizer(path, config, meta)
     return config, hf_arch, weights, tokenizer, quantized
 
 
-def _gguf_blocks(tensor: GGUFTensor, hf_name: str) -> tuple[str, np.ndarray] | None:
+def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike) -> GGUFWeight | None:
     """A 2-D linear weight (or embedding) of a type the few-row kernel reads (quantized.GGUF_BLOCKS: Q4_0/1, Q5_0/1,
-    Q8_0, Q4_K, Q5_K, Q6_K) as (type name, uint8 [rows, row bytes]): each row's blocks as stored; else None."""
+    Q8_0, Q4_K, Q5_K, Q6_K) as its quants in the kernel's layout, rows in the file's order; else None."""
     kind = tensor.tensor_type.name
     linear = hf_name.startswith("model.layers.") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
     if kind not in GGUF_BLOCKS or len(tensor.shape) != 2 or not (linear and hf_name.endswith(".weight")):
@@ -473,4 +476,9 @@ def _gguf_blocks(tensor: GGUFTensor, hf_name: str) -> tuple[str, np.ndarray] | N
     if tensor.shape[1] % per:
         return None
     rows = tensor.shape[0]
-    return kind, np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)
+    try:
+        raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)
+        return GGUFWeight.from_blocks(kind, torch.from_numpy(raw))
+    except Exception as e:
+        raise ValueError(f"{source}: cannot read tensor {tensor.name!r} of type {kind} "
+                         f"(shape {list(tensor.shape)}): {type(e).__name__}: {e}") from e

@@ -115,8 +115,8 @@ def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     and 2^e, by which the kernel scales its result back. -> (packed, 2^e)."""
     top = weight.detach().abs().max().item() if weight.numel() else 0.0
     e = min(max(math.frexp(top)[1], -126), 126) if 0.0 < top < math.inf else 0
-    # bf16 (or fp16) times a power of two is exact in its own dtype (fp16's range is checked by the scaling itself:
-    # the largest |value| lands in [0.5, 1)), so no fp32 copy is needed before the one rounding to fp16
+    # bf16 times a power of two is exact in bf16 (fp32's exponent range), so no fp32 copy is needed before the one
+    # rounding to fp16; an fp16 weight goes through fp32 (scaled up, it could overflow fp16)
     scaled = weight.detach() * 2.0 ** -e if weight.dtype == torch.bfloat16 else weight.detach().float() * 2.0 ** -e
     return pack_amx(scaled.half()), 2.0 ** e
 

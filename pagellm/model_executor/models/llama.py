@@ -270,13 +270,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            pieces = [[q for q, _ in lin.gguf.pieces] if lin.gguf is not None else []
-                      for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-            for lin, qs in zip((a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj), pieces):
+            lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            pieces = [[q for q, _ in lin.gguf.pieces] if lin.gguf is not None else [] for lin in lins]
+            for lin, qs in zip(lins, pieces):
                 tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias,
                             qs[0].qs if qs else no_blocks, qs[0].scales if qs else no_blocks]
-            decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0,
-                              [lin.w_inv for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)])
+            decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0, [lin.w_inv for lin in lins])
             for which, qs in enumerate(pieces):  # a fused weight of mixed layouts: its further parts
                 for q in qs[1:]:
                     decoder.add_gguf_part(which, q.qs, q.scales)

@@ -24,12 +24,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_attention import make_case  # noqa: E402  (the attention tests' case builder)
+from test_gguf_linear import random_blocks  # noqa: E402  (the GGUF tests' block builder)
 
 from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
 from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels, pack_amx  # noqa: E402
-from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFWeight  # noqa: E402
+from pagellm.model_executor.layers.quantized import GGUFWeight  # noqa: E402
 
 
 def best_ms(fs: dict, rounds: int = 5, digits: int = 2) -> dict:
@@ -175,18 +176,8 @@ def gguf_blocks(ops) -> None:
     them: Q4_K, with v and down in Q6_K (re-packed at load, layers/quantized.py)."""
     if not (ops.gguf_linear_supported() and ops.small_m_linear_supported()):
         return
-    g = torch.Generator().manual_seed(0)
-    d_at = {"Q4_1": 0, "Q8_0": 0, "Q4_K": 0, "Q6_K": 208}  # where the block's fp16 d lies
-
-    def blocks(kind, n, k):  # random quants, d (and Q4_1's m, Q4_K's dmin) in a model's range
-        per, size = GGUF_BLOCKS[kind]
-        nb = n * k // per
-        raw = torch.randint(0, 256, (nb, size), dtype=torch.uint8, generator=g)
-        spread = 0.01 if per == 32 else 0.0005
-        raw[:, d_at[kind]:d_at[kind] + 2] = (torch.rand(nb, 1, generator=g) * spread).half().view(torch.uint8)
-        if kind in ("Q4_1", "Q4_K"):
-            raw[:, 2:4] = (-torch.rand(nb, 1, generator=g) * 10 * spread).half().view(torch.uint8)
-        return GGUFWeight.from_blocks(kind, raw.reshape(n, -1))
+    def blocks(kind, n, k):  # the GGUF tests' random blocks (quants, scales in a model's range)
+        return GGUFWeight.from_blocks(kind, random_blocks(kind, n, k, seed=n + k))
 
     smol = [("Q4_1", 960, 576), ("Q4_1", 576, 576), ("Q4_1", 3072, 576), ("Q4_1", 576, 1536)] * 30
     smol.append(("Q8_0", 49152, 576))

@@ -162,8 +162,6 @@ class GGUFParts:
 
     parts: list[GGUFWeight]
 
-    kind = "parts"
-
     @property
     def shape(self) -> tuple[int, int]:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]

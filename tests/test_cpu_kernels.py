@@ -134,7 +134,7 @@ TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma", "fma16"])
 
 @pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "fma16+gemv", "gemv+onednn"])
 def test_cpu_linear_paths_agree_with_f_linear(kernels):
-    from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels
+    from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, _onednn_packing_works, cpu_kernels
 
     have = cpu_kernels(ops, torch.bfloat16)
     if kernels == "amx":
@@ -144,6 +144,8 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
         k = CPUKernels(gemv=have.gemv if have else None, fma=fma, fma_silu_mul=fma_silu_mul,
                        fma_fp16=kernels.startswith("fma16"))
     else:
+        if not _onednn_packing_works(torch.bfloat16):  # e.g. AVX2 only: oneDNN packs bf16 from AVX512-BW on
+            pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
         k = CPUKernels(gemv=have.gemv if have else None, onednn_packing=True)
     torch.manual_seed(5)
     for n in (96, 40):  # 40: a partial 16-column tile
@@ -291,12 +293,30 @@ def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
     assert out.tolist() == x.argmax(-1).tolist() == [out[0].item(), 5, 0, 999, 300, 17]
 
 
+def test_avx2_cpus_take_the_fma_kernels_and_the_cpp_decoder():
+    # CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3): torch's bf16 GEMM runs oneDNN's reference path there
+    # (5-11 GFLOP/s on the project's 2-core Zen 3 VM), so the FMA kernel's 8-lane path must be what bf16 linears
+    # take, and with it the C++ layer loop (which needs a tile kernel)
+    from pagellm.model_executor.layers import cpu_kernels as build
+    from pagellm.model_executor.layers.linear import cpu_kernels
+
+    if not {"avx2", "fma"} <= set(build._cpu_flags().split()):
+        pytest.skip("CPU without AVX2 and FMA")
+
+    assert ops.fma_linear_supported()
+    kernels = cpu_kernels(ops, torch.bfloat16)
+    assert kernels is not None and (kernels.amx or kernels.fma)
+    decoder = torch.classes.pagellm.LlamaDecoder(9, 3, 64, 96, 1e-5, 0.125, 1 << 40, 1 << 40, 4, False)
+    assert decoder is not None
+
+
 def test_kernels_build_for_cpus_without_avx512_fp16_or_amx():
     """The kernels are compiled with -march=native, so this machine's build says nothing about another CPU's: one
-    without AVX-512 (x86-64-v2) and one with AVX-512 but no AVX512-BF16/FP16 or AMX (skylake-avx512) must build
-    them too, their instruction-specific parts behind #if (a constant of the fp16 path once sat inside the
-    AVX-512 block and broke the first). Syntax only, both in parallel, in C++17 (~45 s; the build's C++20 makes
-    torch's headers take ~2.5x as long, and the sources are C++17)."""
+    without AVX2 (x86-64-v2), one with AVX2 and FMA but no AVX-512 (x86-64-v3: the 8-lane paths) and one with
+    AVX-512 but no AVX512-BF16/FP16 or AMX (skylake-avx512) must build them too, their instruction-specific parts
+    behind #if (a constant of the fp16 path once sat inside the AVX-512 block and broke the first). Syntax only,
+    in parallel, in C++17 (~45-70 s; the build's C++20 makes torch's headers take ~2.5x as long, and the sources
+    are C++17)."""
     import pathlib
     import shutil
     import subprocess
@@ -314,7 +334,7 @@ def test_kernels_build_for_cpus_without_avx512_fp16_or_amx():
     sources = [str(csrc / s) for s in cpu_kernels._SOURCES]
     procs = {arch: subprocess.Popen([cxx, "-std=c++17", "-w", "-fsyntax-only", f"-march={arch}", *includes, *sources],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for arch in ("x86-64-v2", "skylake-avx512")}
+             for arch in ("x86-64-v2", "x86-64-v3", "skylake-avx512")}
     for arch, proc in procs.items():
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"-march={arch}:\n{err[-3000:]}"

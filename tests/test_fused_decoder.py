@@ -1,5 +1,5 @@
-"""The C++ layer loop (csrc/decoder_cpu.cpp) against the Python one it replaces in bf16: on AMX CPUs for every
-step, on AVX-512 CPUs without AMX for the steps without prefill chunks (it takes decode steps only there).
+"""The C++ layer loop (csrc/decoder_cpu.cpp) against the Python one it replaces in bf16, on CPUs with AMX, or with
+AVX-512 or AVX2 and FMA (the FMA linear kernel's paths).
 
 Both call the same kernels with the same routing, so every logprob must be bit-identical, step for step, across
 the paths a step can take: decode rows, short chunks (paged kernel), longer chunks (AMX prefill kernel), chunks
@@ -65,7 +65,7 @@ def run(path: str, fused: bool, prompts, params, prune: bool = False, **kw):
     llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="32MiB", **kw)
     model = llm.llm_engine.runner.model
     if model.decoder is None:
-        pytest.skip("no C++ decoder here (CPU without AMX-BF16 or AVX-512)")
+        pytest.skip("no C++ decoder here (CPU without AMX-BF16, AVX-512 or AVX2 with FMA)")
     calls = []
     if fused:  # count the steps it runs, so a test cannot pass by never taking it
         model.decoder = CountingDecoder(model.decoder, calls)

@@ -15,7 +15,7 @@ from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight
 
 ops = load_extension()
-needs_kernel = pytest.mark.skipif(not ops.gguf_linear_supported(), reason="CPU without AVX-512")
+needs_kernel = pytest.mark.skipif(not ops.gguf_linear_supported(), reason="CPU without AVX-512 or AVX2 with FMA")
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
 
@@ -197,9 +197,10 @@ def test_the_cpp_loop_takes_them_as_the_python_loop(gguf_llm):
 @needs_kernel
 def test_short_prompts_agree_with_fp32(gguf_path, gguf_llm):
     # A prompt of 2-4 tokens prefills in one step of at most 4 rows. Wherever the fp32 engine's top two next tokens
-    # are 0.25 nats or more apart, the bf16 engine must pick its token, with the blocks and without them (random
-    # token ids make flat distributions: measured, with the blocks 45 of 48 equal, without them 44, every miss at
-    # a gap under 0.2).
+    # are 0.5 nats or more apart, the bf16 engine must pick its token, with the blocks and without them (random
+    # token ids make flat distributions: measured on the AVX-512 VM, with the blocks 45 of 48 equal, without them
+    # 44, every miss at a gap under 0.2; on the AVX2 VM (AMD Zen 3) 44 and 43, the largest gap missed 0.47, with
+    # the blocks and by the plain torch path alike, while its bf16 linears and the fp32 reference run other GEMMs).
     from pagellm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 6000 + 200 for j in range(2 + i % 3)]} for i in range(48)]
@@ -208,9 +209,9 @@ def test_short_prompts_agree_with_fp32(gguf_path, gguf_llm):
     for o in ref.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=2), use_tqdm=False):
         top = sorted((lp.logprob for lp in o.outputs[0].logprobs[0].values()), reverse=True)
         want.append(o.outputs[0].token_ids)
-        decided.append(top[0] - top[1] >= 0.25)
+        decided.append(top[0] - top[1] >= 0.5)
     del ref
-    assert sum(decided) >= 30
+    assert sum(decided) >= 20  # 24 on the AVX2 VM
     off = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", gguf_quantized_linears=False)
     assert "gguf" not in off.llm_engine.model.linear_kernels
     params = SamplingParams(max_tokens=1, temperature=0)

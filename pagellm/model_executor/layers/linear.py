@@ -7,6 +7,8 @@ neither AMX nor AVX-512, where the two are even), one pre-packed copy, the best 
   - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, for every row count (AMX_MAX_ROWS);
   - AVX-512 without AMX: the same B-tile order for the FMA kernel (``csrc/fma_linear_cpu.cpp``) above
     GEMV_MAX_ROWS rows, and the AVX512-BF16 streaming kernel (``csrc/gemv_cpu.cpp``) up to it;
+  - AVX2 with FMA, no AVX-512 (AMD Zen 2/3): the same B-tile order for the FMA kernel's 8-lane path
+    (``csrc/fma_linear_avx2.h``), every row count: torch's bf16 GEMM there is oneDNN's reference code;
   - else oneDNN's own blocked layout, up to PACKED_MAX_ROWS rows, plus the streaming kernel where it builds.
 The copy costs the weights' size once more (~270 MB for the default model). ``python bench/kernels.py`` times
 every path on SmolLM2's 120 layer linears (bf16, round-robin, medians of 5); one run here, in ms:
@@ -37,6 +39,12 @@ benchmark on 2026-12-02 (another moment, compare within it):
   FMA      13.5   19.8   81.5  251.1  576.5  888.7 1979.8
   FMA fp16 10.4   17.5   53.6  155.6  342.4  498.6 1158.7
   stream   10.9   17.1      -      -      -      -      -
+On the AVX2 kind (AMD EPYC Zen 3, 2 cores, 2026-12-02), GFLOP/s, F.linear on gate/up's [3072, 576] weight, the FMA
+kernel on SmolLM2's four layer shapes together (throwaway timing loops, best or mean of a few calls):
+  rows              1     64   2048
+  F.linear bf16   5.5    7.7   10.6   (oneDNN's reference path: no AVX512-BW there)
+  F.linear fp32  18.9   18.9   51.6   (MKL)
+  FMA (AVX2)       34    109    116   (at 1 row the weights stream at ~34 GB/s from L3 in this test)
 fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
 the reference's.
 A weight loaded from a GGUF file's Q4_x / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K blocks also keeps its quants (``set_gguf``,

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "vec.h"
+#include "vec8.h"
 
 namespace pagellm {
 
@@ -41,6 +42,17 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(PAGELLM_HAS_AVX2)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 e = v8::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));  // <= 0: in exp8's range
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, vsum);
+  for (float x : part) sum += x;
 #endif
   for (; i < hi; ++i) {
     s[i] = std::exp(s[i] - m);

@@ -1,5 +1,6 @@
-// The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX, or with AVX-512 and no
-// AMX (where the AMX prefill kernel is missing, the paged kernel takes chunks of any length: cpu_attention.py).
+// The decoder layer stack of a Llama-family model in one C++ call: bf16 on a CPU with AMX, or with AVX-512 or AVX2
+// and FMA but no AMX (where the AMX prefill kernel is missing, the paged kernel takes chunks of any length:
+// cpu_attention.py).
 //
 // Why: a layer is ten kernel calls, and at a few rows each kernel takes only tens of microseconds. Driven from
 // Python every call also pays the interpreter, nn.Module and the dispatcher: one request decoded 15.2-16.3 ms per
@@ -59,7 +60,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
         fp16_sums_(attention_fp16_sums), amx_(amx_linear_supported()),
         gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0), gguf_max_rows_(gemv_max_rows) {
-    TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16 or AVX-512");
+    TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16, AVX-512 or AVX2 with FMA");
   }
 
   // weights: input_norm, post_norm, then (packed, plain, bias, GGUF qs, GGUF scales) for qkv, o, gate_up, down;

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <vector>
 
+#include "fma_linear_avx2.h"
 #include "ops.h"
 #include "split_work.h"
 #include "tile_linear.h"
@@ -356,9 +357,21 @@ void check(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at
            const at::Tensor& out, int64_t w_cols, double w_inv) {
   const bool half = packed.scalar_type() == at::kHalf;
   if (half) TORCH_CHECK(fma_linear_fp16_supported(), "fma_linear on an fp16 weight needs AVX512-FP16");
-  check_tile_linear(fma_linear_supported(), "fma_linear needs AVX-512", x, packed, bias, out, w_cols, half);
+  check_tile_linear(fma_linear_supported(), "fma_linear needs AVX-512 or AVX2 with FMA", x, packed, bias, out, w_cols,
+                    half);
   TORCH_CHECK(w_inv > 0 && std::isfinite(w_inv), "fma_linear: w_inv must be a positive number, got ", w_inv);
 }
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(PAGELLM_HAS_AVX2)
+// (run is avx2_linear::run, found by argument-dependent lookup)
+avx2_linear::Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           at::Tensor& out, double) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  return avx2_linear::Gemm{x.data_ptr<bf16>(), x.stride(0), x.size(0), x.size(1),
+                           reinterpret_cast<const uint16_t*>(packed.data_ptr()), out.size(1), 0,
+                           has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), 0};
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out,
@@ -373,7 +386,7 @@ Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional
 }  // namespace
 
 bool fma_linear_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
   return true;
 #else
   return false;
@@ -387,7 +400,7 @@ bool fma_linear_fp16_supported() { return fma_linear_supported() && kHasFp16; }
 void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out,
                 double w_inv) {
   check(x, packed, bias, out, out.size(1), w_inv);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
   run(operands(x, packed, bias, out, w_inv));
 #endif
 }
@@ -399,8 +412,8 @@ void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t I = out.size(1);
   TORCH_CHECK(I % 16 == 0, "fma_linear_silu_mul: the intermediate size (", I, ") must be a multiple of 16");
   check(x, packed, bias, out, 2 * I, w_inv);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  Gemm g = operands(x, packed, bias, out, w_inv);
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
+  auto g = operands(x, packed, bias, out, w_inv);
   g.up_tile = I / 16;
   run(g);
 #endif

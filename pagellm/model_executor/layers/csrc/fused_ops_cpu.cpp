@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vec8.h"
 
 namespace {
 using namespace pagellm;
@@ -105,6 +106,10 @@ void silu_and_mul_impl(const at::Tensor& gu, at::Tensor& out) {
         const __m512 s = round_to(silu16(load16(g + j)), g);
         store16(o + j, _mm512_mul_ps(s, load16(u + j)));
       }
+#elif defined(PAGELLM_HAS_AVX2)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)  // the AVX2 linear's fused epilogue computes the same
+        for (; j + 8 <= I; j += 8)
+          v8::store8(o + j, _mm256_mul_ps(v8::round_bf16(v8::silu8(v8::load8(g + j))), v8::load8(u + j)));
 #endif
       for (; j < I; ++j) {
         const float x = to_float(g[j]);

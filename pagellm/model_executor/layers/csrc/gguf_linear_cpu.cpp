@@ -28,12 +28,23 @@
 #include "ops.h"
 #include "split_work.h"
 #include "vec.h"
+#include "vec8.h"
 
 namespace {
 using namespace pagellm;
 using bf16 = c10::BFloat16;
 
 constexpr int kCols = 4;  // output columns per step: independent FMA chains, one stream of w
+
+struct Operands {
+  const float* xf;  // x in fp32 [M][K]
+  int64_t K, N;
+  const uint8_t* qs;
+  const float* scales;
+  const bf16* bias;
+  bf16* y;
+  int64_t ys;
+};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 struct Q4_1 {
@@ -82,16 +93,6 @@ struct Q8_2 {
   }
 };
 
-struct Operands {
-  const float* xf;  // x in fp32 [M][K]
-  int64_t K, N;
-  const uint8_t* qs;
-  const float* scales;
-  const bf16* bias;
-  bf16* y;
-  int64_t ys;
-};
-
 // Output columns [n, n + NC) for all M rows of x; NC and M are constants, so the accumulators stay in registers.
 template <typename F, int M, int NC>
 PAGELLM_INLINE void column_group(const Operands& o, int64_t n) {
@@ -137,6 +138,15 @@ void columns(const Operands& o, int64_t g0, int64_t g1) {
   }
 }
 
+inline void to_fp32(const bf16* x, float* f, int64_t K) {
+  for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(f + k, load16(x + k));
+}
+#elif defined(PAGELLM_HAS_AVX2)
+#include "gguf_linear_avx2.h"
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
+// Column groups claimed from both ends (split_work.h), each claim run for x's number of rows.
 template <typename F>
 void run(const Operands& o, int64_t M) {
   claim_from_both_ends((o.N + kCols - 1) / kCols, 8, [&](int64_t lo, int64_t hi, bool) {
@@ -152,7 +162,7 @@ void run(const Operands& o, int64_t M) {
 }  // namespace
 
 bool gguf_linear_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
   return true;
 #else
   return false;
@@ -164,7 +174,7 @@ bool gguf_linear_supported() {
 // (U8_1), int8 [N, K/32, 32] with S = 2 (Q8_2); x [M, K] bf16 (1 <= M <= 4, rows may be strided).
 void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& bias, at::Tensor out) {
-  TORCH_CHECK(gguf_linear_supported(), "gguf_linear needs AVX-512");
+  TORCH_CHECK(gguf_linear_supported(), "gguf_linear needs AVX-512 or AVX2 with FMA");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
@@ -182,12 +192,11 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc
   if (has_bias)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
                 "bias: bfloat16 [", N, "]");
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PAGELLM_HAS_AVX2)
   thread_local std::vector<float> xf;  // the calling thread's; kept between calls (121 of them per decode step)
   xf.resize(M * K);
   const bf16* xp = x.data_ptr<bf16>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xf.data() + m * K + k, load16(xp + m * x.stride(0) + k));
+  for (int64_t m = 0; m < M; ++m) to_fp32(xp + m * x.stride(0), xf.data() + m * K, K);
   const Operands o{xf.data(), K, N, static_cast<const uint8_t*>(qs.data_ptr()), scales.data_ptr<float>(),
                    has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0)};
   if (nibbles) run<Q4_1>(o, M);

@@ -22,7 +22,8 @@
 // prefix before it is attended once for all requests, by prefix_attention_amx), and lse receives each row's
 // log-sum-exp so the caller can merge the two parts.
 // fp16_sums (bf16/fp16 queries, CPUs with AVX512-FP16): prefill chunks run on an fp16 copy of their blocks with
-// fp16 partial sums, attention_fp16.h.
+// fp16 partial sums, attention_fp16.h. CPUs with AVX2 and FMA but no AVX-512: tasks over a bf16 cache take the
+// same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_avx2.h"
 #include "attention_common.h"
 #include "attention_fp16.h"
 #include "paged_attention_task.h"
@@ -292,6 +294,9 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
 #if defined(__AVX512F__)
   if (!done && stage) done = attend_dims<c10::BFloat16>(st.a, t, w.qf.data(), st.k, st.v, w.S.data(), w.of.data());
   if (!done && vectorised(D)) done = attend_dims<KV>(a, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
+#elif defined(PAGELLM_HAS_AVX2)
+  if constexpr (std::is_same_v<KV, c10::BFloat16>)
+    if (!done && !stage) done = attend_avx2(a, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
 #endif
   if (!done)
     for (int64_t j = 0; j < t.nh; ++j)

@@ -20,6 +20,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec8.h"
 
 // Fully unroll a loop over a compile-time count, so arrays of vector accumulators indexed by its variable live
 // in registers (without it GCC may keep them on the stack: a store and a reload around every FMA).
@@ -207,6 +208,12 @@ inline float max_of(const float* x, int64_t n) {
   __m512 vm = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
   m = _mm512_reduce_max_ps(vm);
+#elif defined(PAGELLM_HAS_AVX2)
+  __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, vm);
+  for (float p : part) m = std::max(m, p);
 #endif
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;

@@ -35,6 +35,17 @@ inline float sum_squares(const T* x, int64_t n) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   s = _mm512_reduce_add_ps(acc);
+#elif defined(PAGELLM_HAS_AVX2)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = v8::load8(x + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    alignas(32) float part[8];
+    _mm256_store_ps(part, acc);
+    for (float p : part) s += p;
+  }
 #endif
   for (; i < n; ++i) s += to_float(x[i]) * to_float(x[i]);
   return s;
@@ -49,6 +60,14 @@ inline void scale_row(const T* x, const T* w, float r, T* out, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m512 h = round_to(_mm512_mul_ps(load16(x + i), vr), x);
     store16(out + i, _mm512_mul_ps(load16(w + i), h));
+  }
+#elif defined(PAGELLM_HAS_AVX2)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256 vr = _mm256_set1_ps(r);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 h = v8::round_bf16(_mm256_mul_ps(v8::load8(x + i), vr));
+      v8::store8(out + i, _mm256_mul_ps(v8::load8(w + i), h));
+    }
   }
 #endif
   for (; i < n; ++i) out[i] = static_cast<T>(to_float(w[i]) * to_float(static_cast<T>(to_float(x[i]) * r)));
@@ -82,6 +101,9 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
       int64_t j = 0;
 #if defined(__AVX512F__)
       for (; j + 16 <= H; j += 16) store16(rr + j, _mm512_add_ps(load16(xr + j), load16(rr + j)));
+#elif defined(PAGELLM_HAS_AVX2)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; j + 8 <= H; j += 8) v8::store8(rr + j, _mm256_add_ps(v8::load8(xr + j), v8::load8(rr + j)));
 #endif
       for (; j < H; ++j) rr[j] = static_cast<T>(to_float(xr[j]) + to_float(rr[j]));
       const float r = 1.f / std::sqrt(sum_squares(rr, H) / H + static_cast<float>(eps));

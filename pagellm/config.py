@@ -119,6 +119,10 @@ class EngineConfig:
     # 135M), so chunks deep into a long prompt shrink and a step takes about as long whatever the context (the
     # decodes in it wait less; the prompt takes more, shorter steps). False: every token counts one (vLLM's)
     attention_aware_budget: bool = True
+    # CPU: how much of the KV cache to map at start-up (the pool's first blocks, which the pool hands out first),
+    # so that the first requests' writes into fresh blocks do not take the page faults (model_runner.py). A size
+    # like "1GiB", 0 for none; more than the pool maps all of it (vLLM writes its whole pool at start-up)
+    kv_cache_prefault: int | str = "1GiB"
 
     # Derived by finalize():
     torch_dtype: torch.dtype = field(default=torch.float32, init=False)
@@ -149,6 +153,10 @@ class EngineConfig:
             raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
         if not isinstance(self.attention_aware_budget, bool):
             raise ValueError(f"attention_aware_budget must be True or False, got {self.attention_aware_budget!r}")
+        if self.kv_cache_prefault not in (0, "0"):
+            self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault")
+        else:
+            self.kv_cache_prefault = 0
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):

@@ -152,6 +152,45 @@ def test_cpu_cache_left_unwritten_never_leaks_into_attention(gguf_path, dtype):
     assert all(len(t) == 12 for t in outs[0]) and outs[1] == outs[0]
 
 
+def _resident_bytes(t) -> int:
+    """Bytes of tensor t's pages that are resident (Linux mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    n = (t.data_ptr() + t.numel() * t.element_size() - lo + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mincore")
+def test_kv_cache_prefault_maps_the_first_blocks_only(gguf_path):
+    # A CPU cache left unwritten is mapped page by page on first writes; kv_cache_prefault maps the blocks the pool
+    # hands out first at start-up: a quarter of a 64 MiB pool here, in every layer's K and V. Without it the
+    # pool is not resident until tokens land in it; either way generation works and the pool is whole after.
+    from pagellm.config import EngineConfig
+
+    mib = 2**20
+    resident = {}
+    for prefault in ("16MiB", 0):
+        llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", kv_cache_prefault=prefault)
+        runner = llm.llm_engine.runner
+        if runner.model.backend.needs_zeroed_cache:
+            pytest.skip("the CPU kernels are unavailable here (torch reference backend: the cache is zero-filled)")
+        resident[prefault] = _resident_bytes(runner.kv_cache)
+        out = llm.generate([{"prompt_token_ids": list(range(100, 140))}],
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4 and pool_is_whole(llm)
+    assert 16 * mib <= resident["16MiB"] < 24 * mib
+    assert resident[0] < 2 * mib
+    with pytest.raises(ValueError, match="kv_cache_prefault"):
+        EngineConfig(kv_cache_prefault="lots")
+
+
 def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):
     # 10 requests share a 320-token prefix through the prefix cache: their decode steps attend it once for all
     # (cascade attention, on CPUs with AMX), and the pool is whole after. The kernels' numbers are checked against

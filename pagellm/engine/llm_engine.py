@@ -90,7 +90,7 @@ class LLMEngine:
                                    shape.attention_keys_per_token() if config.attention_aware_budget else None,
                                    shape.sliding_windows)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_kv_dtype, dev,
-                                  num_host_blocks)
+                                  num_host_blocks, config.kv_cache_prefault)
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children

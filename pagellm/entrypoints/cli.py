@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-attention-aware-budget", dest="attention_aware_budget", action="store_false",
                    help="every token counts one against --max-num-batched-tokens (by default a prefill chunk's "
                         "attention counts too, so chunks deep into long prompts shrink)")
+    p.add_argument("--kv-cache-prefault", default="1GiB",
+                   help="CPU: KV cache to map at start-up, so the first requests' blocks take no page faults "
+                        "(e.g. 1GiB; 0: none)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out KV blocks")
     p.add_argument("--seed", type=int, default=0)
@@ -40,7 +43,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
                 reduced_precision_reduction=a.reduced_precision_reduction,
                 gguf_quantized_linears=a.gguf_quantized_linears, attention_aware_budget=a.attention_aware_budget,
-                preemption_mode=a.preemption_mode,
+                kv_cache_prefault=a.kv_cache_prefault, preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, seed=a.seed)
 
 

@@ -153,10 +153,12 @@ class EngineConfig:
             raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
         if not isinstance(self.attention_aware_budget, bool):
             raise ValueError(f"attention_aware_budget must be True or False, got {self.attention_aware_budget!r}")
-        if self.kv_cache_prefault not in (0, "0"):
-            self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault")
-        else:
+        if self.kv_cache_prefault in (0, "0"):
             self.kv_cache_prefault = 0
+        elif isinstance(self.kv_cache_prefault, (int, float)) and self.kv_cache_prefault < 0:
+            raise ValueError(f"kv_cache_prefault must be >= 0 bytes (0: none), got {self.kv_cache_prefault!r}")
+        else:
+            self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):

@@ -196,8 +196,9 @@ def test_kv_cache_prefault_maps_the_first_blocks_only(gguf_path):
         resident[prefault] = r["resident"]
     assert 16 * mib <= resident["16MiB"] < 24 * mib
     assert resident["0"] < 2 * mib
-    with pytest.raises(ValueError, match="kv_cache_prefault"):
-        EngineConfig(kv_cache_prefault="lots")
+    for bad in ("lots", -1, True):
+        with pytest.raises(ValueError, match="kv_cache_prefault"):
+            EngineConfig(kv_cache_prefault=bad)
 
 
 def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):

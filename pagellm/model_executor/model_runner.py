@@ -36,7 +36,7 @@ class ModelRunner:
         # Zero-filling a CPU cache writes every page of it up front (4 GiB: 1-11 s on the project's VMs, the
         # largest part of a cold start there, and the whole budget resident from the start). Where the backend
         # never reads an unused slot, the cache is left as allocated: the OS maps a page when a block's first
-        # token is written, so resident memory follows the blocks in use.
+        # token is written, so resident memory follows the blocks in use (beyond the head mapped below).
         alloc = torch.zeros if model.backend.needs_zeroed_cache or device.type != "cpu" else torch.empty
         self.kv_cache = alloc(s.num_layers, 2, num_blocks, block_elems, dtype=dtype, device=device)
         # Mapping a page on its first write costs ~14 us on the project's VMs (the host backs the page only then),
@@ -44,7 +44,8 @@ class ModelRunner:
         # blocks, 1.2-1.3 s of an ~11 s run. So the blocks the pool hands out first (the lowest ids) are mapped
         # now, by writing zeros into them: 1 GiB (prefault_bytes' default) took 1.8 s at start-up there.
         if alloc is torch.empty and prefault_bytes > 0:
-            head = min(num_blocks, -(-prefault_bytes // (s.num_layers * 2 * block_elems * self.kv_cache.element_size())))
+            per_block = s.num_layers * 2 * block_elems * self.kv_cache.element_size()
+            head = min(num_blocks, -(-prefault_bytes // per_block))
             self.kv_cache[:, :, :head].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()

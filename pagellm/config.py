@@ -27,16 +27,16 @@ DEFAULT_CPU_KV_CAP = 4 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def parse_size(value: int | float | str, name: str = "kv_cache_memory") -> int:
-    """Bytes from an int or a string like "4GiB", "512MB", "1.5G"."""
+def parse_size(value: int | float | str, name: str = "kv_cache_memory", allow_zero: bool = False) -> int:
+    """Bytes from an int or a string like "4GiB", "512MB", "1.5G"; 0 only where allow_zero."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         n = int(value)
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     else:
         raise ValueError(f"{name} must be a number of bytes or a size like '4GiB', got {value!r}")
-    if n <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0 (0: none)' if allow_zero else '> 0'}, got {value!r}")
     return n
 
 
@@ -153,12 +153,7 @@ class EngineConfig:
             raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
         if not isinstance(self.attention_aware_budget, bool):
             raise ValueError(f"attention_aware_budget must be True or False, got {self.attention_aware_budget!r}")
-        if self.kv_cache_prefault in (0, "0"):
-            self.kv_cache_prefault = 0
-        elif isinstance(self.kv_cache_prefault, (int, float)) and self.kv_cache_prefault < 0:
-            raise ValueError(f"kv_cache_prefault must be >= 0 bytes (0: none), got {self.kv_cache_prefault!r}")
-        else:
-            self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault")
+        self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault", allow_zero=True)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.preemption_mode not in ("recompute", "swap"):

@@ -44,8 +44,7 @@ class ModelRunner:
         # blocks, 1.2-1.3 s of an ~11 s run. So the blocks the pool hands out first (the lowest ids) are mapped
         # now, by writing zeros into them: 1 GiB (prefault_bytes' default) took 1.8 s at start-up there.
         if alloc is torch.empty and prefault_bytes > 0:
-            per_block = s.num_layers * 2 * block_elems * self.kv_cache.element_size()
-            head = min(num_blocks, -(-prefault_bytes // per_block))
+            head = min(num_blocks, -(-prefault_bytes // kv_bytes_per_block(s, block_size, dtype)))
             self.kv_cache[:, :, :head].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()

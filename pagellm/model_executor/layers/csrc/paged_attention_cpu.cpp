@@ -101,6 +101,23 @@ inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, 
   }
 }
 
+// score_block32 for nv <= 4 vectors (three, then the rest; the first group also prefetches); 16-bit caches only.
+template <typename T>
+inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t B, int64_t t0, float* S, int64_t ns,
+                               int64_t nv, const char* pk, const char* pv) {
+  if constexpr (pack_x<T>() == 2) {
+    for (int64_t v = 0; v < nv; v += 3) {
+      const char* k = v ? nullptr : pk;
+      const char* p = v ? nullptr : pv;
+      switch (std::min<int64_t>(3, nv - v)) {
+        case 3: score_block32<3, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p); break;
+        case 2: score_block32<2, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p); break;
+        default: score_block32<1, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p);
+      }
+    }
+  }
+}
+
 // Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32).
 template <int NV, int C, typename T>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
@@ -148,11 +165,17 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
       const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + h * a.k_sh)
                                 : nullptr;
       const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + h * a.v_sh);
+      float* Sb = S + j * nv * s.ns + (b - s.b0) * B;
+      if (pack_x<T>() == 2 && B % 32 == 0 && nv <= 4) {  // decode rows (up to 4 query heads per kv head)
+        for (int64_t t0 = 0; t0 < B; t0 += 32)
+          scores_block32_for<T>(qf + j * nv * D, D, kb, B, t0, Sb, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
+                                vb + t0 * 16 * C * sizeof(T));
+        continue;
+      }
       for (int64_t t0 = 0; t0 < B; t0 += 16) {
         const int64_t w = std::min<int64_t>(16, B - t0);
-        scores_for<C, T>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1),
-                         S + j * nv * s.ns + (b - s.b0) * B, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
-                         vb + t0 * 16 * C * sizeof(T));
+        scores_for<C, T>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
+                         kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
       }
     }
   constexpr int NV = values_per_pass(C);

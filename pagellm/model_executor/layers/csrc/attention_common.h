@@ -138,7 +138,9 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
 // 16-token halves of each word row in one pass, so the block's key lines are read in address order (score_tile
 // reads a row's first line for the first half, then comes back for the second). Per half and vector the same four
 // accumulators in the same order as score_tile's (A = 4), so the scores are bit for bit score_tile's. pk, pv as
-// score_tile's, two lines of each per word row. A decode step's attention (30 layers x 64 rows over 362-token
+// score_tile's, two lines of each per word row, the values into L2 only (the value pass reads them after all the
+// blocks' scores, from L2 anyway; 4 alternating process pairs of workload_64: inter-token p50 49.0-52.3 against
+// 49.3-52.8 ms, wall 0.98x). A decode step's attention (30 layers x 64 rows over 362-token
 // contexts, bf16, 32-token blocks, two threads; in-process, alternating with score_tile's two passes): 26.1-29.3
 // against 29.2-32.3 ms, with the request's blocks consecutive or shuffled; workload_64 end to end (`pagellm bench
 // throughput`, 4 alternating process pairs): 9.16-9.46 against 9.48-9.91 s, inter-token p50 51 against 54 ms.
@@ -159,7 +161,7 @@ inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int
     for (int u = 0; u < 2; ++u) {
       const int64_t r = j + u;
       if (pk) _mm_prefetch(pk + r * B * 4, _MM_HINT_T0), _mm_prefetch(pk + r * B * 4 + 64, _MM_HINT_T0);
-      if (pv) _mm_prefetch(pv + r * 128, _MM_HINT_T0), _mm_prefetch(pv + r * 128 + 64, _MM_HINT_T0);
+      if (pv) _mm_prefetch(pv + r * 128, _MM_HINT_T1), _mm_prefetch(pv + r * 128 + 64, _MM_HINT_T1);
       __m512 e[2][2];  // [half][lo / hi]
       split(_mm512_loadu_si512(w + r * B), e[0][0], e[0][1], kb);
       split(_mm512_loadu_si512(w + r * B + 16), e[1][0], e[1][1], kb);

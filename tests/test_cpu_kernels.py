@@ -293,6 +293,39 @@ def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
     assert out.tolist() == x.argmax(-1).tolist() == [out[0].item(), 5, 0, 999, 300, 17]
 
 
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX-BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 64), (7, 1000, 96), (300, 530, 64), (64, 4099, 576)])
+def test_amx_linear_argmax_is_the_argmax_of_amx_linear(threads, rows, n, k):
+    # the greedy LM head's kernel: torch.argmax of what amx_linear stores (bf16), across column blocks split between
+    # threads (either end) and row chunks (300 rows), ties, NaN and infinities included
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    torch.manual_seed(rows + n)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    w[n - 1] = w[n // 2] = w[3]  # three columns always equal: a tie wherever they lead
+    x[0] = 0.0  # every logit 0: index 0
+    if rows > 3:
+        x[1, 0] = float("nan")  # every logit NaN: index 0
+        x[2] = float("inf")  # +inf, -inf and NaN (inf - inf) mixed
+        x[3] = w[3] * 8  # column 3 and its copies lead: the first wins
+    packed = pack_amx(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        ops.amx_linear(x, packed, None, y)
+        got = torch.empty(rows, dtype=torch.int64)
+        ops.amx_linear_argmax(x, packed, n, got)
+    finally:
+        torch.set_num_threads(old)
+    assert got.tolist() == y.argmax(-1).tolist()
+    if rows > 3:
+        assert got[:2].tolist() == [0, 0] and got[3].item() == 3
+    with pytest.raises(RuntimeError, match="packed"):
+        ops.amx_linear_argmax(x, packed, n + 16, got)
+
+
 def test_avx2_cpus_take_the_fma_kernels_and_the_cpp_decoder():
     # CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3): torch's bf16 GEMM runs oneDNN's reference path there
     # (5-11 GFLOP/s on the project's 2-core Zen 3 VM), so the FMA kernel's 8-lane path must be what bf16 linears

@@ -152,3 +152,27 @@ def test_no_fused_decoder_where_it_does_not_apply(tiny_checkpoint):
         assert llm.llm_engine.runner.model.decoder is None
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_greedy_batches_take_the_heads_argmax_kernel(checkpoint):
+    # a plain greedy batch gets its tokens from the LM head's argmax kernel (no logits): the same tokens as the
+    # logits' argmax, step for step; a batch asking for logprobs still gets logits
+    from pagellm.model_executor.layers.linear import CPULinear
+
+    prompts = token_prompts((40, 9, 3, 17, 1), 13)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(model=checkpoint("llama"), dtype="bfloat16", kv_cache_memory="32MiB")
+    head = llm.llm_engine.runner.model.fast_lm_head
+    if head is None or head.kernels.amx_argmax is None:
+        pytest.skip("CPU without AMX-BF16")
+    taken = []
+    head.argmax = lambda x: taken.append(CPULinear.argmax(head, x)) or taken[-1]
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    steps = len(taken)
+    assert steps >= 10 and all(t is not None for t in taken)
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2), use_tqdm=False)
+    assert len(taken) == steps  # logprobs need the logits: the head's argmax is not asked for
+    head.argmax = lambda x: None  # the logits and the sampler's argmax
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == plain and all(len(t) == 10 for t in fused)
+    assert pool_is_whole(llm)

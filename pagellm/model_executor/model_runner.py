@@ -158,12 +158,17 @@ class ModelRunner:
         """Run one step; returns the requests that sampled a token (in row order) and the sampler's output."""
         with record_function("pagellm.prepare_inputs"):
             input_ids, positions, meta, logits_indices, sampling_reqs = self._prepare(so)
+            m = self._sampling_metadata(sampling_reqs) if sampling_reqs else None
         with record_function("pagellm.forward"):
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+            # a plain greedy batch may get its tokens from the LM head's kernel directly (no logits)
+            out = self.model(input_ids, positions, self.kv_caches, meta, logits_indices,
+                             argmax=m is not None and self.sampler.argmax_only(m))
         if not sampling_reqs:
             return [], None
+        if out.dtype == torch.int64:
+            return sampling_reqs, SamplerOutput(out, None, None, None, None)
         with record_function("pagellm.sample"):
-            return sampling_reqs, self.sampler(logits, self._sampling_metadata(sampling_reqs))
+            return sampling_reqs, self.sampler(out, m)
 
 
 def _raw(cache: torch.Tensor | None) -> torch.Tensor | None:

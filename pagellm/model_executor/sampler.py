@@ -104,12 +104,17 @@ class Sampler:
     def __init__(self, ops=None) -> None:
         self.ops = ops  # the CPU kernels (argmax_rows, sample_rows, logprobs_rows), or None
 
+    @staticmethod
+    def argmax_only(m: SamplingMetadata) -> bool:
+        """A plain greedy batch (no penalties, stop masks or logprobs): its tokens are the logits' argmax, which
+        the model may hand over in place of the logits (LlamaForCausalLM.forward's argmax)."""
+        return m.all_greedy and m.prompt_token_ids is None and m.stop_mask_rows is None and m.max_num_logprobs is None
+
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step. A plain greedy batch
         takes the argmax of them as they are (exact: every bf16 value converts exactly to fp32); anything else
         works on an fp32 copy."""
-        if (m.all_greedy and m.prompt_token_ids is None and m.stop_mask_rows is None
-                and m.max_num_logprobs is None):
+        if self.argmax_only(m):
             return SamplerOutput(self._argmax(logits), None, None, None, None)
         private = logits.dtype != torch.float32  # .float() copies: the penalties may write into the copy
         logits = logits.float()

@@ -84,6 +84,7 @@ class CPUKernels:
     fma_silu_mul: Callable | None = None  # torch.ops.pagellm.fma_linear_silu_mul (with fma)
     fma_fp16: bool = False  # the FMA kernel on an fp16 copy of the weight (pack_fp16): AVX512-FP16
     gguf: Callable | None = None  # torch.ops.pagellm.gguf_linear: up to GEMV_MAX_ROWS rows on a GGUF file's blocks
+    amx_argmax: Callable | None = None  # torch.ops.pagellm.amx_linear_argmax (with amx): greedy LM heads
 
     @property
     def name(self) -> str:
@@ -187,6 +188,20 @@ class CPULinear(nn.Module):
                 return packed_linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's index of its largest output (int64 [rows]; the first on ties, as torch.argmax of forward's
+        output), from the AMX kernel without writing the [rows, N] outputs; None where forward would not take the
+        AMX kernel, or with a bias. For a greedy LM head: at 64 rows the logits are 6.3 MB (SmolLM2) written and
+        read back each step."""
+        rows = x.shape[0]
+        if (self.kernels.amx_argmax is None or self.amx is None or self.bias is not None or x.dim() != 2
+                or x.stride(-1) != 1 or x.dtype != torch.bfloat16 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS
+                or (self.gguf is not None and rows <= GEMV_MAX_ROWS)):
+            return None
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+        self.kernels.amx_argmax(x, self.amx_weight, self.weight.shape[0], out)
+        return out
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for this layer's output [gate | up] in one call of the tile kernel (AMX, else FMA), the
         product computed as each block of the output is, never writing [gate | up] (the same bits as the two
@@ -222,13 +237,14 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = amx_silu_mul = gemv = fma = fma_silu_mul = gguf = None
+    amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = None
     fma_fp16 = False
     if dtype == torch.bfloat16:
         try:
             gguf = ops.gguf_linear.default if ops.gguf_linear_supported() else None
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
+                amx_argmax = ops.amx_linear_argmax.default
             elif ops.fma_linear_supported():
                 fma, fma_silu_mul = ops.fma_linear.default, ops.fma_linear_silu_mul.default
                 fma_fp16 = reduced_precision_reduction and ops.fma_linear_fp16_supported()
@@ -236,7 +252,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, gguf)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, gguf, amx_argmax)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -194,8 +194,10 @@ class LlamaForCausalLM(nn.Module):
         self._bound_caches: list[torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (model dtype)."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor, argmax: bool = False) -> torch.Tensor:
+        """Hidden states for all T tokens; logits only for the rows in ``logits_indices`` (model dtype).
+        argmax (greedy sampling): where the LM head's kernel can, each of those rows' index of its largest logit
+        instead (int64 [R], torch.argmax of the logits), the logits never written; else the logits as without."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         keep = None
@@ -213,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
         if self.fast_lm_head is not None:
+            if argmax and (ids := self.fast_lm_head.argmax(x)) is not None:
+                return ids
             return self.fast_lm_head(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)

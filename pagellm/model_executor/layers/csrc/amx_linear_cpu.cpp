@@ -18,6 +18,8 @@
 // 0.89-0.94x the time at 1-512 rows (SmolLM2's 120 linears against the previous build, 10 alternating pairs per
 // row count in one process, two runs; `python bench/kernels.py` times the kernel per row count).
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
+// amx_linear_argmax runs an LM head for greedy sampling: each row's index of its largest output (as bf16), kept per
+// thread as the blocks come and merged at the end, so the [rows, vocab] logits are never written nor read back.
 // amx_linear_silu_mul runs a gate/up layer ([gate | up] packed as one weight) with silu(gate) * up in the epilogue:
 // each item computes gate's block and up's block of the same columns and writes only their product, so the
 // 2I-wide gate_up never goes to memory (at 2,048 rows its stores made the GEMM ~1.6x slower than the same
@@ -27,6 +29,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "amx.h"
@@ -91,6 +95,18 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
 // multiplies, so its vector work overlaps them: the product's epilogue took ~40% of gate/up's time when it ran
 // after the block. SmolLM2's shapes at 2,048 rows, 30 paired runs against the epilogue after the block: gate/up
 // with the product 0.91x the time, qkv 0.95x, o and down ~1.0x; at 64 rows 0.97-1.0x.
+// A row's largest output so far and its column (argmax: the first on ties, the first NaN over any number).
+struct Best {
+  float v = -std::numeric_limits<float>::infinity();
+  int64_t i = std::numeric_limits<int64_t>::max();  // max: no column seen
+
+  // Takes (v, i) if it comes first in torch.argmax's order: NaN above all, then larger, then lower index.
+  void offer(float value, int64_t index) {
+    const bool nan = std::isnan(value), have_nan = std::isnan(v);
+    if (nan != have_nan ? nan : (nan ? index < i : value > v || (value == v && index < i))) v = value, i = index;
+  }
+};
+
 struct Epilogue {
   const float* c = nullptr;
   const float* cu = nullptr;  // silu_mul: up's block
@@ -98,9 +114,10 @@ struct Epilogue {
   const bf16* bias = nullptr;
   bf16* y = nullptr;  // the block's first row
   int64_t ldy = 0;
+  Best* best = nullptr;  // argmax: the block's first row's entry (y unused)
 
   void rows_to(int64_t end) {
-    for (end = std::min(end, rows); done < end; ++done) cu ? silu_row(done) : plain_row(done);
+    for (end = std::min(end, rows); done < end; ++done) best ? argmax_row(done) : cu ? silu_row(done) : plain_row(done);
   }
 
  private:
@@ -114,6 +131,21 @@ struct Epilogue {
       store16(ym + j, v);
     }
     for (; j < cols; ++j) ym[j] = static_cast<bf16>(cm[j] + (bias ? to_float(bias[n0 + j]) : 0.f));
+  }
+  // The row's block as plain_row would store it (bf16, no bias: amx_linear_argmax checks), offered to its Best.
+  void argmax_row(int64_t m) const {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 k = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
+      const __m512 v = round_to(_mm512_maskz_loadu_ps(k, c + m * 32 + j), y);
+      const __mmask16 nan = _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+      if (nan) {
+        best[m].offer(std::numeric_limits<float>::quiet_NaN(), n0 + j + __builtin_ctz(nan));
+        continue;
+      }
+      const float top = _mm512_mask_reduce_max_ps(k, v);
+      const __mmask16 at = _mm512_mask_cmp_ps_mask(k, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      best[m].offer(top, n0 + j + __builtin_ctz(at));
+    }
   }
   void silu_row(int64_t m) const {  // cols is a multiple of 16 (amx_linear_silu_mul checks)
     bf16* ym = y + m * ldy + n0;
@@ -139,6 +171,7 @@ struct Gemm {
   bf16* y;
   int64_t ldy;
   int64_t blocks;  // y's 32-column blocks
+  Best* best = nullptr;  // argmax: [threads][M], each thread's rows (y unused)
 };
 
 // Rows [mc, mc_end) of y's column block nb (32 columns); next_nb: the block this thread runs next (-1: none),
@@ -146,7 +179,7 @@ struct Gemm {
 // c, cu: two [32][32] fp32 blocks each (cu: up's, silu_mul only): row block r's epilogue reads slot r % 2 while
 // row block r + 1 computes into the other.
 void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t next_nb, const bf16* tail,
-                  float* c, float* cu) {
+                  float* c, float* cu, Best* best) {
   const int64_t full = g.M / 16 * 16, K = g.kc_n * 32;
   const int64_t panel = g.kc_n * 512, tiles_n = (g.N + 15) / 16;
   const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
@@ -174,7 +207,7 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
     // This block's output lines, fetched for writing now and written during the next block, when y is larger
     // than L2: stores that miss fill the store buffer and stall the multiplies. At 2,048 rows, paired runs: qkv
     // 0.93x the time, o 0.96x, down 0.97x; at 64 rows (y stays in L2) it cost 0-5%, hence the row condition.
-    if (g.M > kRowChunk)
+    if (g.M > kRowChunk && !best)
       for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(g.y + (m0 + r) * g.ldy + n0, 1, 3);
     const int64_t i = (m0 - mc) / 32, lo = next_bytes * i / row_blocks / 64 * 64;
     const int64_t hi = i + 1 == row_blocks ? next_bytes : next_bytes * (i + 1) / row_blocks / 64 * 64;
@@ -194,7 +227,7 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
       run(b, next, c + slot, 0, prev.rows);
     }
     prev = Epilogue{c + slot, silu ? cu + slot : nullptr, rows, 0, n0, g.up_tile * 16 + n0, cols, g.bias,
-                    g.y + m0 * g.ldy, g.ldy};
+                    best ? g.y : g.y + m0 * g.ldy, g.ldy, best ? best + m0 : nullptr};
   }
   prev.rows_to(prev.rows);
 }
@@ -209,11 +242,12 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending) {
     tail.assign(16 * K, bf16(0.f));
     for (int64_t m = full; m < g.M; ++m) std::copy_n(g.x + m * g.lda, K, tail.data() + (m - full) * K);
   }
+  Best* best = g.best ? g.best + at::get_thread_num() * g.M : nullptr;
   for (int64_t k = 0; k < hi - lo; ++k) {
     const int64_t u = ascending ? lo + k : hi - 1 - k;
     const int64_t mc = u / g.blocks * kRowChunk, nb = u % g.blocks, next = ascending ? nb + 1 : nb - 1;
     column_block(g, mc, std::min(g.M, mc + kRowChunk), nb, next >= 0 && next < g.blocks ? next : -1, tail.data(),
-                 c, cu);
+                 c, cu, best);
   }
   _tile_release();
 }
@@ -276,10 +310,38 @@ void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
 #endif
 }
 
+// out [M] int64: each row's index of the largest column of x @ w^T (n columns, no bias) as amx_linear would store it
+// (bf16), the first on ties and the first NaN if any: torch.argmax of amx_linear's output, without writing it.
+void amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor out) {
+  TORCH_CHECK(amx_linear_supported(), "amx_linear_argmax needs AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
+              "x: bfloat16 [M, K] with M >= 1 rows");
+  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+              packed.size(1) * 32 == x.size(1) && packed.size(2) == 16 && packed.size(3) == 16 &&
+              packed.size(4) == 2 && n >= 1 && (n + 15) / 16 == packed.size(0),
+              "packed: bfloat16 [ceil(n/16), K/32, 16, 16, 2]");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0), "out: int64 [M]");
+#if defined(PAGELLM_AMX)
+  const int64_t M = x.size(0), T = at::get_num_threads();
+  std::vector<Best> best(static_cast<size_t>(T * M));
+  run(Gemm{x.data_ptr<bf16>(), x.stride(0), M, packed.data_ptr<bf16>(), packed.size(1), n, 0, nullptr, nullptr, 0, 0,
+           best.data()});
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    Best r;
+    for (int64_t t = 0; t < T; ++t)
+      if (best[t * M + m].i != std::numeric_limits<int64_t>::max()) r.offer(best[t * M + m].v, best[t * M + m].i);
+    o[m] = r.i;
+  }
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("amx_linear", c10::DispatchKey::CPU, &amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("amx_linear_silu_mul", c10::DispatchKey::CPU, &amx_linear_silu_mul);
+  m.def("amx_linear_argmax(Tensor x, Tensor packed, int n, Tensor(a!) out) -> ()");
+  m.impl("amx_linear_argmax", c10::DispatchKey::CPU, &amx_linear_argmax);
   m.def("amx_linear_supported() -> bool", [] { return amx_linear_supported(); });
 }

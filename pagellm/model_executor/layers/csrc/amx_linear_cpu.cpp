@@ -19,7 +19,9 @@
 // row count in one process, two runs; `python bench/kernels.py` times the kernel per row count).
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 // amx_linear_argmax runs an LM head for greedy sampling: each row's index of its largest output (as bf16), kept per
-// thread as the blocks come and merged at the end, so the [rows, vocab] logits are never written nor read back.
+// thread as the blocks come and merged at the end, so the [rows, vocab] logits are never written nor read back
+// (6.3 MB a decode step at 64 rows for SmolLM2). workload_64, 4 alternating process pairs against the logits and
+// argmax_rows: 8.38-8.73 against 8.75-8.92 s, inter-token p50 47.2-48.5 against 48.4-50.3 ms.
 // amx_linear_silu_mul runs a gate/up layer ([gate | up] packed as one weight) with silu(gate) * up in the epilogue:
 // each item computes gate's block and up's block of the same columns and writes only their product, so the
 // 2I-wide gate_up never goes to memory (at 2,048 rows its stores made the GEMM ~1.6x slower than the same

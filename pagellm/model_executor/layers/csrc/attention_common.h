@@ -134,16 +134,16 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
   }
 }
 
-// Scores of 32 tokens (from token t0 of the block) for NV <= 3 query vectors, 16-bit cache (x == 2): both
-// 16-token halves of each word row in one pass, so the block's key lines are read in address order (score_tile
-// reads a row's first line for the first half, then comes back for the second). Per half and vector the same four
+// Scores of 32 tokens (from token t0 of the block) for NV <= 3 query vectors, 16-bit cache (x == 2): both 16-token
+// halves of each word row in one pass, so the block's key lines are read in address order (score_tile reads a
+// row's first line for the first half, then comes back for the second). Per half and vector the same four
 // accumulators in the same order as score_tile's (A = 4), so the scores are bit for bit score_tile's. pk, pv as
 // score_tile's, two lines of each per word row, the values into L2 only (the value pass reads them after all the
 // blocks' scores, from L2 anyway; 4 alternating process pairs of workload_64: inter-token p50 49.0-52.3 against
-// 49.3-52.8 ms, wall 0.98x). A decode step's attention (30 layers x 64 rows over 362-token
-// contexts, bf16, 32-token blocks, two threads; in-process, alternating with score_tile's two passes): 26.1-29.3
-// against 29.2-32.3 ms, with the request's blocks consecutive or shuffled; workload_64 end to end (`pagellm bench
-// throughput`, 4 alternating process pairs): 9.16-9.46 against 9.48-9.91 s, inter-token p50 51 against 54 ms.
+// 49.3-52.8 ms, wall 0.98x). A decode step's attention (30 layers x 64 rows over 362-token contexts, bf16,
+// 32-token blocks, two threads; in-process, alternating with score_tile's two passes): 26.1-29.3 against 29.2-32.3
+// ms, with the request's blocks consecutive or shuffled; workload_64 end to end (`pagellm bench throughput`, 4
+// alternating process pairs): 9.16-9.46 against 9.48-9.91 s, inter-token p50 51 against 54 ms.
 template <int NV, typename T>
 inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, float* s, int64_t ns,
                           const char* pk, const char* pv) {

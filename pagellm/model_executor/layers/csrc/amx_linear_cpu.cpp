@@ -138,7 +138,7 @@ struct Epilogue {
   void argmax_row(int64_t m) const {
     for (int64_t j = 0; j < cols; j += 16) {
       const __mmask16 k = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 v = round_to(_mm512_maskz_loadu_ps(k, c + m * 32 + j), y);
+      const __m512 v = round_to(_mm512_maskz_loadu_ps(k, c + m * 32 + j), static_cast<const bf16*>(nullptr));
       const __mmask16 nan = _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
       if (nan) {
         best[m].offer(std::numeric_limits<float>::quiet_NaN(), n0 + j + __builtin_ctz(nan));
@@ -229,7 +229,7 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
       run(b, next, c + slot, 0, prev.rows);
     }
     prev = Epilogue{c + slot, silu ? cu + slot : nullptr, rows, 0, n0, g.up_tile * 16 + n0, cols, g.bias,
-                    best ? g.y : g.y + m0 * g.ldy, g.ldy, best ? best + m0 : nullptr};
+                    g.y + m0 * g.ldy, g.ldy, best ? best + m0 : nullptr};
   }
   prev.rows_to(prev.rows);
 }

@@ -228,3 +228,80 @@ def test_find_cascade_prefix_thresholds():
     assert blocks.tolist() == [5, 6]
     blocks, _, _ = find_cascade_prefix(tables[:2], np.array([32, 64]), rows[:2], cu[:3], bs, 2, 16)
     assert blocks.tolist() == [5]
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(3, 3, 64), (6, 3, 64), (9, 3, 64), (8, 2, 128), (16, 2, 64)],
+                         ids=["g1", "g2", "g3", "g4-d128", "g8"])
+def test_decode_rows_are_dense_attention_rounded_once(block_size, window, heads, kv_heads, dim):
+    # Decode rows (and a 2-row chunk) over a bf16 cache: with AMX, up to 8 query vectors per kv head go to the tile
+    # kernel (decode_attention_amx.h), whose probabilities keep ~16 bits (a bf16 high and low half), so each output
+    # is the fp64 result rounded to bf16 once; contexts end anywhere in a 32-key chunk (stale NaN slots after).
+    from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+
+    q_lens, ctx_lens = [1, 1, 1, 1, 2, 1, 1], [1, 31, 32, 33, 95, 300, 64]
+    backend = CPUPagedAttention(kv_heads, dim, block_size)
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, torch.bfloat16, heads,
+                                                   kv_heads, dim, seed=7)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window).double()
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    err = (out - ref).abs() / (ref.abs() + 1e-3)
+    assert err.max() <= 2 ** -8, err.max()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_attention_writes_this_steps_rows_as_write_kv_cache_does(cache_dtype):
+    # paged_attention with k_new / v_new / slot_mapping writes the rows itself (decode rows and short chunks
+    # inside their tasks, the rest first) and must leave the cache and the outputs as write_kv_cache followed by
+    # paged_attention does. Request 1 reads the block request 0 writes in this very call (a prefix-cache hit on a
+    # block filled in this step), so request 0's row must be written before any task runs; request 3's 20 rows
+    # exceed a task's 16, request 4's 40 the kernel's 32 (left to the caller, written all the same); row 1 of
+    # request 2 has a negative slot (not written); the last row belongs to no request.
+    from pagellm.model_executor.layers.cpu_kernels import load_extension
+
+    ops = load_extension()
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    H, Hkv, D, B, nb = 6, 2, 64, 32, 40
+    x = 4 // torch.tensor([], dtype=cache_dtype).element_size()
+    g = torch.Generator().manual_seed(3)
+    q_lens, seq = [1, 1, 3, 20, 40], [45, 64, 70, 100, 50]
+    tables = torch.zeros(5, 4, dtype=torch.long)
+    tables[0, :2] = torch.tensor([3, 9])
+    tables[1, :2] = torch.tensor([3, 9])  # request 0's blocks: reads slot 9 * 32 + 12, written now by request 0
+    tables[2, :3] = torch.tensor([1, 17, 30])
+    tables[3, :4] = torch.tensor([5, 6, 7, 8])
+    tables[4, :2] = torch.tensor([20, 21])
+    slots = []
+    for r, (ql, L) in enumerate(zip(q_lens, seq)):
+        if r == 1:
+            slots.append(int(tables[1, 1]) * B + 31)  # its own new row, at the end of the shared block
+            continue
+        slots += [int(tables[r, p // B]) * B + p % B for p in range(L - ql, L)]
+    slots[2 + 1] = -1
+    T = sum(q_lens) + 1
+    slots.append(int(tables[4, 1]) * B + 20)  # the row past every request: written, read by none
+    slot_mapping = torch.tensor(slots)
+    cache = torch.randn(2, nb, Hkv * D * B, generator=g).to(cache_dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    qs = torch.tensor([0] + np.cumsum(q_lens).tolist())
+    seq_t = torch.tensor(seq)
+
+    def views(c):
+        return c[0].view(nb, Hkv, D // x, B, x), c[1].view(nb, Hkv, B // x, D, x)
+
+    apart, fused = cache.clone(), cache.clone()
+    out_apart, out_fused = torch.zeros_like(q), torch.zeros_like(q)
+    ops.write_kv_cache(k, v, *views(apart), slot_mapping)
+    ops.paged_attention(q, *views(apart), tables, seq_t, qs, out_apart, D ** -0.5, 0, 32)
+    ops.paged_attention(q, *views(fused), tables, seq_t, qs, out_fused, D ** -0.5, 0, 32, None, None, False,
+                        k, v, slot_mapping)
+    assert torch.equal(apart.view(torch.uint8), fused.view(torch.uint8))
+    assert torch.equal(out_apart, out_fused)
+    assert out_apart[:qs[4]].isfinite().all()
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        bad = slot_mapping.clone()
+        bad[0] = nb * B
+        ops.paged_attention(q, *views(fused), tables, seq_t, qs, out_fused, D ** -0.5, 0, 32, None, None, False,
+                            k, v, bad)

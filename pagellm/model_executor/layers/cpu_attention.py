@@ -80,19 +80,19 @@ class CPUPagedAttention(TorchPagedAttention):
         return k, v
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
-        """Decode rows and chunks up to max_query rows in one kernel call, K/V read in place; longer prefill
-        chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one call each.
+        """This step's k, v into the cache, and decode rows and chunks up to max_query rows, in one kernel call
+        (a request's rows written by its own tasks just before they read its blocks), K/V read in place; longer
+        prefill chunks in one call of the AMX kernel (bf16 on a CPU with AMX), else SDPA's flash kernel, one each.
         With a cascade prefix (bf16, no sliding window) the first call leaves the shared prefix out and
         ``cascade_prefix_attention`` adds it."""
         kc, vc = self.views(kv_cache)
-        self.ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         cascade = meta.cascade if sliding_window is None and q.dtype == torch.bfloat16 else None
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if cascade is not None else None
         max_query = self.max_query(q.dtype)
         self.ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                                  sliding_window or 0, max_query, cascade.kv_start if cascade else None, lse,
-                                 self.fp16_sums)
+                                 self.fp16_sums, k, v, meta.slot_mapping)  # writes k, v into the cache first
         if cascade is not None:  # the shared prefix for all its rows at once, merged by log-sum-exp
             self.ops.cascade_prefix_attention(q, kc, vc, cascade.blocks, cascade.rows, out, lse, scale)
         if not meta.prefill_rows:

@@ -11,7 +11,8 @@
 //
 // Per layer, with the residual stream kept apart so each skip-add fuses into the next norm:
 //   h = add_rms_norm(h, residual)  (layer 0: rms_norm of the embeddings, which become the residual)
-//   qkv = linear(h); rotary(q, k) in place; write k, v into the paged cache; o = attention(q, cache)
+//   qkv = linear(h); rotary(q, k) in place; o = attention(q, cache) after writing k, v into the paged cache (the
+//   attention kernel writes each decode row just before reading its blocks)
 //   h = linear(o); h = add_rms_norm(h, residual); h = linear(silu(gate) * up), [gate | up] = linear(h) with the
 //   product in the tile GEMM's epilogue (amx_linear_silu_mul, fma_linear_silu_mul)
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
@@ -148,18 +149,19 @@ class LlamaDecoder : public torch::CustomClassHolder {
         }
         {
           PAGELLM_RANGE("pagellm.attention_backend");
-          {
-            PAGELLM_RANGE("pagellm::write_kv_cache");
-            write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
-          }
-          if (prune && l + 1 == layers_.size())
+          if (prune && l + 1 == layers_.size()) {
+            {
+              PAGELLM_RANGE("pagellm::write_kv_cache");
+              write_kv_cache(k, v, L.k_cache, L.v_cache, slot_mapping);
+            }
             return kept_rows_rest(L, residual, h, q, block_tables, *keep_rows, *keep_req, *keep_seq);
+          }
           const bool casc = cascade && L.window == 0;
           {
-            PAGELLM_RANGE("pagellm::paged_attention");
+            PAGELLM_RANGE("pagellm::paged_attention");  // writes this step's k, v into the cache first
             paged_attention(q, L.k_cache, L.v_cache, block_tables, seq_lens, query_start, attn, scale_, L.window,
                             kernel_max_query_, casc ? cascade_kv_start : c10::nullopt,
-                            casc ? c10::optional<at::Tensor>(lse) : c10::nullopt, fp16_sums_);
+                            casc ? c10::optional<at::Tensor>(lse) : c10::nullopt, fp16_sums_, k, v, slot_mapping);
           }
           if (casc) {
             PAGELLM_RANGE("pagellm::cascade_prefix_attention");

@@ -32,7 +32,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      at::Tensor out, double scale, int64_t window, int64_t max_query_len,
                      const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse,
-                     bool fp16_sums = false);
+                     bool fp16_sums = false, const c10::optional<at::Tensor>& k_new = c10::nullopt,
+                     const c10::optional<at::Tensor>& v_new = c10::nullopt,
+                     const c10::optional<at::Tensor>& slot_mapping = c10::nullopt);
 bool paged_attention_fp16_supported();
 
 bool prefill_attention_amx_supported(int64_t head_dim, int64_t block_size);

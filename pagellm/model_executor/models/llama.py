@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.linear_kernels = kernels.name
         if quantized and self._use_gguf_blocks(quantized):
             self.linear_kernels += "+gguf"
-        self.decoder = self._build_decoder()
+        self.decoder = self._build_decoder(kernels)
 
     def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:
         """Hands each linear whose every part is in ``quantized`` its (fused) blocks; whether any took them."""
@@ -258,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
                     took |= linear.set_gguf(GGUFWeight.cat(found))
         return took
 
-    def _build_decoder(self):
+    def _build_decoder(self, kernels: CPUKernels):
         """The C++ layer loop over this model's weights, or None where it does not apply (the Python loop runs)."""
         s, backend = self.shape, self.backend
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
                                                      backend.max_query(torch.bfloat16), GEMV_MAX_ROWS,
-                                                     backend.fp16_sums)
+                                                     backend.fp16_sums, kernels.fma_dot)
         no_bias, no_blocks = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

@@ -56,10 +56,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows,
-               bool attention_fp16_sums)
+               bool attention_fp16_sums, bool fma_dot)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
-        fp16_sums_(attention_fp16_sums), amx_(amx_linear_supported()),
+        fp16_sums_(attention_fp16_sums), fma_dot_(fma_dot), amx_(amx_linear_supported()),
         gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0), gguf_max_rows_(gemv_max_rows) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16, AVX-512 or AVX2 with FMA");
   }
@@ -235,7 +235,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
       amx_linear(x, l.packed, l.bias, out);
     } else if (x.size(0) <= amx_max_rows_) {
       PAGELLM_RANGE("pagellm::fma_linear");
-      fma_linear(x, l.packed, l.bias, out, l.w_inv);
+      fma_linear(x, l.packed, l.bias, out, l.w_inv, fma_dot_);
     } else if (l.bias.has_value()) {
       at::addmm_out(out, *l.bias, x, l.weight.t());
     } else {
@@ -256,7 +256,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
         amx_linear_silu_mul(h, l.packed, l.bias, act);
       } else {
         PAGELLM_RANGE("pagellm::fma_linear_silu_mul");
-        fma_linear_silu_mul(h, l.packed, l.bias, act, l.w_inv);
+        fma_linear_silu_mul(h, l.packed, l.bias, act, l.w_inv, fma_dot_);
       }
       return;
     }
@@ -277,6 +277,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   double eps_, scale_;
   int64_t amx_max_rows_, kernel_max_query_;
   bool fp16_sums_;         // paged attention's fp16 partial sums (CPUPagedAttention.fp16_sums)
+  bool fma_dot_;           // the FMA kernel's bf16 dot products (CPUKernels.fma_dot)
   bool amx_;               // the AMX linear kernels, else the FMA one
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
@@ -288,7 +289,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool, bool>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
       .def("bind_cache", &LlamaDecoder::bind_cache)

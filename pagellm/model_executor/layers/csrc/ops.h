@@ -21,10 +21,12 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& sc
                  const c10::optional<at::Tensor>& bias, at::Tensor out);
 bool fma_linear_supported();
 bool fma_linear_fp16_supported();
+bool fma_linear_dot_supported();
+bool fma_linear_dot_default();
 void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out,
-                double w_inv = 1.0);
+                double w_inv = 1.0, int64_t dot = -1);
 void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         at::Tensor out, double w_inv = 1.0);
+                         at::Tensor out, double w_inv = 1.0, int64_t dot = -1);
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping);

@@ -74,6 +74,16 @@ inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
   hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
 }
 
+// acc + the two products of lanes' bf16 pairs in word with the pair whose bits lie at q (score_tile's kDot).
+PAGELLM_INLINE __m512 dot_pair(__m512 acc, const float* q, __m512i word) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q)), (__m512bh)word);
+#else
+  (void)q, (void)word;
+  return acc;  // never called: kDot needs AVX512-BF16 (paged_attention_cpu.cpp: Args::dot)
+#endif
+}
+
 // Scores of up to 16 tokens (lanes in mask m, from token t0 of the block) for NV query vectors q [NV][D]:
 // s[v * ns + t0 + lane]. Four accumulators per vector (independent FMA chains hide the latency) whatever NV is:
 // a vector's score must not depend on how many others share its pass, or a prompt's rows would get other bits
@@ -83,9 +93,13 @@ inline void split(__m512i w, __m512& lo, __m512& hi, const c10::Half*) {
 // pk, pv (optional): cache lines to prefetch alongside, one of each per word row: the next block's keys at the
 // same tokens (row stride B words) and this tile's values (contiguous). Spread through the FMAs, the prefetches
 // never queue up behind each other (a burst of them stalls the core once the fill buffers are full).
-template <int NV, typename T>
+// kDot (bf16 cache, AVX512-BF16): q holds at q[v * D + 2i] the bits of the bf16 pair (q_2i, q_2i+1) of the
+// unscaled query, and one VDPBF16PS adds both products of a word row into accumulator 2u (the parity's lo one;
+// the hi ones stay 0); the sums are multiplied by dot_scale at the end. Where VDPBF16PS runs at the FMA's rate
+// (AMD, fma_linear_dot_default) that is half the multiply-adds and no splitting of the keys.
+template <int NV, typename T, bool kDot = false>
 inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, __mmask16 m, float* s,
-                       int64_t ns, const char* pk = nullptr, const char* pv = nullptr) {
+                       int64_t ns, const char* pk = nullptr, const char* pv = nullptr, float dot_scale = 1.f) {
   constexpr int x = pack_x<T>();
   static_assert(NV >= 1 && NV <= 6, "4 x NV accumulators and the key words must fit in 32 registers");
   constexpr int A = 4;
@@ -113,6 +127,9 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
           acc[2 % A][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[2]), e2, acc[2 % A][v]);
           acc[3 % A][v] = _mm512_fmadd_ps(_mm512_set1_ps(qv[3]), e3, acc[3 % A][v]);
         }
+      } else if constexpr (x == 2 && kDot) {
+        PAGELLM_UNROLL
+        for (int v = 0; v < NV; ++v) acc[2 * u][v] = dot_pair(acc[2 * u][v], q + v * D + 2 * (j + u), word);
       } else if constexpr (x == 2) {
         __m512 lo, hi;
         split(word, lo, hi, kb);
@@ -135,6 +152,7 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
     __m512 r = acc[0][v];
     PAGELLM_UNROLL
     for (int a = 1; a < A; ++a) r = _mm512_add_ps(r, acc[a][v]);
+    if constexpr (kDot) r = _mm512_mul_ps(r, _mm512_set1_ps(dot_scale));
     _mm512_mask_storeu_ps(s + v * ns + t0, m, r);
   }
 }
@@ -149,9 +167,9 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
 // 32-token blocks, two threads; in-process, alternating with score_tile's two passes): 26.1-29.3 against 29.2-32.3
 // ms, with the request's blocks consecutive or shuffled; workload_64 end to end (`pagellm bench throughput`, 4
 // alternating process pairs): 9.16-9.46 against 9.48-9.91 s, inter-token p50 51 against 54 ms.
-template <int NV, typename T>
+template <int NV, typename T, bool kDot = false>
 inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, float* s, int64_t ns,
-                          const char* pk, const char* pv) {
+                          const char* pk, const char* pv, float dot_scale = 1.f) {
   static_assert(pack_x<T>() == 2 && NV >= 1 && NV <= 3, "16-bit caches, up to 3 vectors (24 accumulators)");
   const int32_t* w = reinterpret_cast<const int32_t*>(kb) + t0;
   __m512 acc[2][4][NV];  // [half][row parity * 2 + lo / hi][vector]
@@ -167,6 +185,15 @@ inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int
       const int64_t r = j + u;
       if (pk) _mm_prefetch(pk + r * B * 4, _MM_HINT_T0), _mm_prefetch(pk + r * B * 4 + 64, _MM_HINT_T0);
       if (pv) _mm_prefetch(pv + r * 128, _MM_HINT_T1), _mm_prefetch(pv + r * 128 + 64, _MM_HINT_T1);
+      if constexpr (kDot) {  // as score_tile's kDot: accumulator [half][2u] per word row
+        const __m512i k0 = _mm512_loadu_si512(w + r * B), k1 = _mm512_loadu_si512(w + r * B + 16);
+        PAGELLM_UNROLL
+        for (int v = 0; v < NV; ++v) {
+          acc[0][2 * u][v] = dot_pair(acc[0][2 * u][v], q + v * D + 2 * r, k0);
+          acc[1][2 * u][v] = dot_pair(acc[1][2 * u][v], q + v * D + 2 * r, k1);
+        }
+        continue;
+      }
       __m512 e[2][2];  // [half][lo / hi]
       split(_mm512_loadu_si512(w + r * B), e[0][0], e[0][1], kb);
       split(_mm512_loadu_si512(w + r * B + 16), e[1][0], e[1][1], kb);
@@ -188,6 +215,7 @@ inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int
       __m512 r = acc[h][0][v];
       PAGELLM_UNROLL
       for (int a = 1; a < 4; ++a) r = _mm512_add_ps(r, acc[h][a][v]);
+      if constexpr (kDot) r = _mm512_mul_ps(r, _mm512_set1_ps(dot_scale));
       _mm512_storeu_ps(s + v * ns + t0 + 16 * h, r);
     }
 }

@@ -41,6 +41,7 @@
 #include "attention_fp16.h"
 #include "decode_attention_amx.h"
 #include "kv_cache_write.h"
+#include "ops.h"
 #include "paged_attention_task.h"
 #include "split_work.h"
 
@@ -90,35 +91,36 @@ void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, 
 #if defined(__AVX512F__)
 // Scores of nv vectors for one 16-token tile, in groups of NV (6: 24 accumulators), then the rest; the first pass
 // over the keys also prefetches pk / pv (score_tile).
-template <int C, typename T, int NV = 6>
+template <int C, typename T, bool kDot, int NV = 6>
 inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, __mmask16 m, float* S, int64_t ns,
                        int64_t nv, const char* pk, const char* pv) {
   if constexpr (NV > 0) {
     if (nv >= NV) {
       for (int64_t v = 0; v + NV <= nv; v += NV)
-        score_tile<NV, T>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns, v ? nullptr : pk,
-                          v ? nullptr : pv);
+        score_tile<NV, T, kDot>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns, v ? nullptr : pk,
+                                v ? nullptr : pv, a.scale);
       const int64_t done = nv - nv % NV;
       if (nv % NV)
-        scores_for<C, T, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV, nullptr, nullptr);
+        scores_for<C, T, kDot, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV, nullptr,
+                                       nullptr);
     } else {
-      scores_for<C, T, NV - 1>(a, qf, kb, t0, m, S, ns, nv, pk, pv);
+      scores_for<C, T, kDot, NV - 1>(a, qf, kb, t0, m, S, ns, nv, pk, pv);
     }
   }
 }
 
 // score_block32 for nv <= 4 vectors (three, then the rest; the first group also prefetches); 16-bit caches only.
-template <typename T>
+template <typename T, bool kDot>
 inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t B, int64_t t0, float* S, int64_t ns,
-                               int64_t nv, const char* pk, const char* pv) {
+                               int64_t nv, const char* pk, const char* pv, float dot_scale) {
   if constexpr (pack_x<T>() == 2) {
     for (int64_t v = 0; v < nv; v += 3) {
       const char* k = v ? nullptr : pk;
       const char* p = v ? nullptr : pv;
       switch (std::min<int64_t>(3, nv - v)) {
-        case 3: score_block32<3, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p); break;
-        case 2: score_block32<2, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p); break;
-        default: score_block32<1, T>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p);
+        case 3: score_block32<3, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale); break;
+        case 2: score_block32<2, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale); break;
+        default: score_block32<1, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale);
       }
     }
   }
@@ -157,7 +159,8 @@ inline void values_tail(const Args& a, const Task& t, const Span& s, const float
   }
 }
 
-template <int C, typename T>
+// kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot).
+template <int C, typename T, bool kDot>
 void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, B = a.B, D = a.D;
@@ -174,13 +177,13 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
       float* Sb = S + j * nv * s.ns + (b - s.b0) * B;
       if (pack_x<T>() == 2 && B % 32 == 0 && nv <= 4) {  // decode rows (up to 4 query heads per kv head)
         for (int64_t t0 = 0; t0 < B; t0 += 32)
-          scores_block32_for<T>(qf + j * nv * D, D, kb, B, t0, Sb, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
-                                vb + t0 * 16 * C * sizeof(T));
+          scores_block32_for<T, kDot>(qf + j * nv * D, D, kb, B, t0, Sb, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
+                                      vb + t0 * 16 * C * sizeof(T), a.scale);
         continue;
       }
       for (int64_t t0 = 0; t0 < B; t0 += 16) {
         const int64_t w = std::min<int64_t>(16, B - t0);
-        scores_for<C, T>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
+        scores_for<C, T, kDot>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
                          kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
       }
     }
@@ -196,18 +199,28 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
   }
 }
 
-// attend<D / 16, T>, or false where the head_dim has no vectorised kernel.
-template <typename T>
-bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+// attend<D / 16, T, kDot>, or false where the head_dim has no vectorised kernel.
+template <typename T, bool kDot>
+bool attend_dims_as(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
   switch (a.D) {
-    case 16: attend<1, T>(a, t, qf, kc, vc, S, of); return true;
-    case 32: attend<2, T>(a, t, qf, kc, vc, S, of); return true;
-    case 64: attend<4, T>(a, t, qf, kc, vc, S, of); return true;
-    case 96: attend<6, T>(a, t, qf, kc, vc, S, of); return true;
-    case 128: attend<8, T>(a, t, qf, kc, vc, S, of); return true;
-    case 256: attend<16, T>(a, t, qf, kc, vc, S, of); return true;
+    case 16: attend<1, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 32: attend<2, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 64: attend<4, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 96: attend<6, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 128: attend<8, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 256: attend<16, T, kDot>(a, t, qf, kc, vc, S, of); return true;
     default: return false;
   }
+}
+
+// The kernel for cache type T (a.dot: the score dot products, bf16 only).
+template <typename T>
+bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (a.dot) return attend_dims_as<T, true>(a, t, qf, kc, vc, S, of);
+#endif
+  return attend_dims_as<T, false>(a, t, qf, kc, vc, S, of);
 }
 
 // (bits of a) >> 16 | (bits of b) & 0xffff0000: two fp32 values that bf16 holds exactly, as one word of bf16.
@@ -316,12 +329,19 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
   const bool half = !st16.on.empty() && st16.on[t.r];
   const bool stage = !st.on.empty() && st.on[t.r];
   const float q_scale = a.scale * (vectorised(D) && !stage && !half ? fp8_read_scale<KV>() : 1.f);
+  // the score dot products (Args::dot): qf then holds q's bf16 pairs as they are, at its even floats
+  const bool dot = a.dot && !half && !stage && vectorised(D);
   // Head j of the task's kv heads holds its vectors j * nv .. j * nv + nv - 1 in qf, S and of.
   for (int64_t j = 0; j < t.nh && !done; ++j)
     for (int64_t i = 0; i < t.nrows; ++i)
       for (int64_t g = 0; g < a.G; ++g) {
         const T* q = qp + (row0 + i) * a.q_s0 + ((t.h + j) * a.G + g) * a.q_s1;
         float* f = w.qf.data() + ((j * t.nrows + i) * a.G + g) * D;
+        if constexpr (sizeof(T) == 2)
+          if (dot) {
+            for (int64_t d = 0; d < D; d += 2) std::memcpy(f + d, q + d, 4);
+            continue;
+          }
         for (int64_t d = 0; d < D; ++d) f[d] = to_float(q[d]) * q_scale;
       }
 #if defined(__AVX512FP16__)
@@ -333,7 +353,11 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
 #endif
 #if defined(__AVX512F__)
   if (!done && stage) done = attend_dims<c10::BFloat16>(st.a, t, w.qf.data(), st.k, st.v, w.S.data(), w.of.data());
-  if (!done && vectorised(D)) done = attend_dims<KV>(a, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
+  if (!done && vectorised(D)) {
+    Args ad = a;
+    ad.dot = dot;
+    done = attend_dims<KV>(ad, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
+  }
 #elif defined(PAGELLM_HAS_AVX2)
   if constexpr (std::is_same_v<KV, c10::BFloat16>)
     if (!done && !stage) done = attend_avx2(a, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
@@ -363,6 +387,8 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
   a.bt = bt.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
   a.scale = static_cast<float>(scale), a.window = window;
+  // bf16 scores by VDPBF16PS where the linears take it (AMD: at the FMA's rate, fma_linear_cpu.cpp)
+  a.dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16> && fma_linear_dot_default();
   a.kv_start = kv_start, a.lse = lse, a.lse_s0 = lse_s0;
   const int64_t R = seq_lens.size(0);
   // One task per request and kv head, or per request over all its kv heads when there are requests enough to

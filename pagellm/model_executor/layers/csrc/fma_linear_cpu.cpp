@@ -43,7 +43,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -136,8 +138,9 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
       for (int64_t k = 0; k < K; k += 32) {
         int64_t m = 0;
         for (; m + 1 < n; m += 2) {
-          const __m512i r0 = _mm512_loadu_si512(src0 + m * g.lda + k), r1 = _mm512_loadu_si512(src0 + (m + 1) * g.lda + k);
-          const __m512i lo = _mm512_unpacklo_epi32(r0, r1), hi = _mm512_unpackhi_epi32(r0, r1);
+          const __m512i xm = _mm512_loadu_si512(src0 + m * g.lda + k);
+          const __m512i xn = _mm512_loadu_si512(src0 + (m + 1) * g.lda + k);
+          const __m512i lo = _mm512_unpacklo_epi32(xm, xn), hi = _mm512_unpackhi_epi32(xm, xn);
           // lo's 128-bit lane j: pairs 4j, 4j+1 of both rows; hi's: pairs 4j+2, 4j+3
           long long* q = reinterpret_cast<long long*>(d + k / 2 * kMR + m);
           alignas(64) long long l[8], h[8];
@@ -301,7 +304,8 @@ PAGELLM_INLINE void micro_dot(const float* a, const uint16_t* const* b, int64_t 
                               const char* const* pn) {
   const int* pairs = reinterpret_cast<const int*>(a);
   __m512 acc[R][NP];
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m)
+    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t kc = 0; kc < kc_n; ++kc)
     pair_step<R, NP>(pairs, b, kc, pn, [&](int m, int p, __m512i xv, __m512i w) __attribute__((always_inline)) {
       acc[m][p] = _mm512_dpbf16_ps(acc[m][p], (__m512bh)xv, (__m512bh)w);
@@ -459,8 +463,8 @@ Gemm operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional
   const bool has_bias = bias.has_value() && bias->defined();
   return Gemm{x.data_ptr<bf16>(), x.stride(0), x.size(0), x.size(1),
               reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.scalar_type() == at::kHalf,
-              dot < 0 ? fma_linear_dot_default() : dot > 0, static_cast<float>(w_inv), out.size(1), 0, has_bias ? bias->data_ptr<bf16>() : nullptr,
-              out.data_ptr<bf16>(), out.stride(0), 0};
+              dot < 0 ? fma_linear_dot_default() : dot > 0, static_cast<float>(w_inv), out.size(1), 0,
+              has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), 0};
 }
 #endif
 }  // namespace
@@ -490,9 +494,13 @@ bool fma_linear_dot_default() {
   static const bool on = [] {
     if (!fma_linear_dot_supported()) return false;
     if (const char* env = std::getenv("PAGELLM_FMA_DOT"); env && *env) return std::strcmp(env, "0") != 0;
+#if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
     return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+#else
+    return false;
+#endif
   }();
   return on;
 }

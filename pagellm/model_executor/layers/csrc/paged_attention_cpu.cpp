@@ -184,7 +184,7 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
       for (int64_t t0 = 0; t0 < B; t0 += 16) {
         const int64_t w = std::min<int64_t>(16, B - t0);
         scores_for<C, T, kDot>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
-                         kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
+                               kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
       }
     }
   constexpr int NV = values_per_pass(C);

@@ -238,6 +238,9 @@ def test_decode_rows_are_dense_attention_rounded_once(block_size, window, heads,
     # Decode rows (and a 2-row chunk) over a bf16 cache: with AMX, up to 8 query vectors per kv head go to the tile
     # kernel (decode_attention_amx.h), whose probabilities keep ~16 bits (a bf16 high and low half), so each output
     # is the fp64 result rounded to bf16 once; contexts end anywhere in a 32-key chunk (stale NaN slots after).
+    # Where the kernel sums on VDPBF16PS (AMD, fma_linear_dot_default) the probabilities are rounded to bf16 (as
+    # SDPA's bf16 CPU kernel rounds them): each weight p_i off by at most 2^-8 p_i (bf16's unit roundoff), so the
+    # output is off by at most 2^-8 * sum p_i |v_i| more.
     from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
 
     q_lens, ctx_lens = [1, 1, 1, 1, 2, 1, 1], [1, 31, 32, 33, 95, 300, 64]
@@ -246,6 +249,11 @@ def test_decode_rows_are_dense_attention_rounded_once(block_size, window, heads,
                                                    kv_heads, dim, seed=7)
     out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window).double()
     ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    if backend.ops.fma_linear_dot_default():
+        weighted_abs = dense_reference(q, k_all, [t.abs() for t in v_all], q_lens, ctx_lens, dim ** -0.5, window)
+        bound = 2 ** -8 * (ref.abs() + 1.01 * weighted_abs)
+        assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() / bound).max()
+        return
     err = (out - ref).abs() / (ref.abs() + 1e-3)
     assert err.max() <= 2 ** -8, err.max()
 
@@ -332,3 +340,22 @@ def test_prompt_rows_get_the_same_bits_in_any_chunks(dtype, heads, kv_heads):
         ops.paged_attention(q[a:b].contiguous(), kc, vc, tables, torch.tensor([b]), torch.tensor([0, b - a]), part,
                             D ** -0.5, 0, 1 << 40)
         assert torch.equal(part, whole[a:b]), (a, b)
+
+
+def test_the_other_summing_path_where_the_cpu_has_both():
+    # The paged kernel sums on VDPBF16PS (bf16 q and cache) where fma_linear_dot_default says so (AMD), else on
+    # FMAs; the choice is made once per process, so this file's tests run again in a child process with
+    # PAGELLM_FMA_DOT set to the other path: both are checked on any CPU with AVX512-BF16.
+    import os
+    import subprocess
+    import sys
+
+    from pagellm.model_executor.layers.cpu_kernels import load_extension
+
+    ops = load_extension()
+    if not ops.fma_linear_dot_supported():
+        pytest.skip("CPU without AVX512-BF16: one path only")
+    env = {**os.environ, "PAGELLM_FMA_DOT": "0" if ops.fma_linear_dot_default() else "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                           "not test_the_other_summing_path"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -236,6 +236,40 @@ PAGELLM_INLINE void pv_pair(const float* p, int64_t ns, const int32_t* row, bool
   }
 }
 
+// kDot: acc[v] += p[v][2i] * v_2i + p[v][2i+1] * v_2i+1 for one token pair, one VDPBF16PS per 16 dims and vector:
+// pw[v * nsw] holds the pair's probabilities as bf16 (round_probs_bf16), the value row the tokens' bf16 pairs.
+template <int NV, int C>
+PAGELLM_INLINE void pv_pair_dot(const int32_t* pw, int64_t nsw, const int32_t* row, __m512 (&acc)[NV][C]) {
+#if defined(__AVX512BF16__)
+  PAGELLM_UNROLL
+  for (int c = 0; c < C; ++c) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(row + 16 * c);
+    PAGELLM_UNROLL
+    for (int v = 0; v < NV; ++v) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], (__m512bh)_mm512_set1_epi32(pw[v * nsw]), w);
+  }
+#else
+  (void)pw, (void)nsw, (void)row, (void)acc;  // never called: kDot needs AVX512-BF16
+#endif
+}
+
+// p[0, n) rounded to bf16 in place (nearest even, denormals to 0: what VDPBF16PS reads), and the same bits as
+// bf16 pairs in pw[0, n / 2) (n even): the value pass's probabilities under kDot. The rounding happens before
+// either path reads them, so a token summed by the FMAs (a pair cut by the span's ends) adds the same product as
+// one summed by the dot product: a row's bits do not depend on where its chunk ends.
+inline void round_probs_bf16(float* p, int64_t n, int32_t* pw) {
+#if defined(__AVX512BF16__)
+  uint16_t* h = reinterpret_cast<uint16_t*>(pw);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xffffu : (1u << (n - i)) - 1);
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i));
+    _mm256_mask_storeu_epi16(h + i, m, b);
+    _mm512_mask_storeu_ps(p + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+#else
+  (void)p, (void)n, (void)pw;  // never called: kDot needs AVX512-BF16
+#endif
+}
+
 // fp8: acc[v] += p[v][t] * v_t for the four tokens of one word row whose bits are set in valid.
 template <int NV, int C, typename T>
 PAGELLM_INLINE void pv_quad(const float* p, int64_t ns, const int32_t* row, unsigned valid, __m512 (&acc)[NV][C]) {
@@ -253,10 +287,11 @@ PAGELLM_INLINE void pv_quad(const float* p, int64_t ns, const int32_t* row, unsi
 }
 
 // acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
-// [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in.
-template <int NV, int C, typename T>
+// [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in. kDot (bf16): the
+// pairs inside [lo, hi) by pv_pair_dot on pw (p's pairs, row stride ns / 2), a pair cut by lo or hi by the FMAs.
+template <int NV, int C, typename T, bool kDot = false>
 PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi,
-                             __m512 (&acc)[NV][C]) {
+                             __m512 (&acc)[NV][C], const int32_t* pw = nullptr) {
   constexpr int x = pack_x<T>();
   constexpr int64_t D = 16 * C;
   const int32_t* w = reinterpret_cast<const int32_t*>(vb);
@@ -275,7 +310,9 @@ PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo
   } else if constexpr (x == 2) {
     int64_t i = lo / 2;
     if (lo % 2) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
-    for (; 2 * i + 1 < hi; ++i) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
+    for (; 2 * i + 1 < hi; ++i)
+      if constexpr (kDot) pv_pair_dot<NV, C>(pw + i, ns / 2, w + i * D, acc);
+      else pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
     if (2 * i < hi) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
   } else {
     for (int64_t t = lo; t < hi; ++t)

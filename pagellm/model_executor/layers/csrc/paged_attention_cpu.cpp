@@ -26,7 +26,8 @@
 // cache, a decode row's inside its own tasks just before they read its blocks (kv_cache_write.h).
 // fp16_sums (bf16/fp16 queries, CPUs with AVX512-FP16): prefill chunks run on an fp16 copy of their blocks with
 // fp16 partial sums, attention_fp16.h. CPUs with AVX2 and FMA but no AVX-512: tasks over a bf16 cache take the
-// same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop).
+// same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop). On AMD CPUs with AVX512-BF16
+// (Args::dot) a bf16 cache's scores and weighted sums take VDPBF16PS, the probabilities rounded to bf16 for it.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -126,10 +127,11 @@ inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t 
   }
 }
 
-// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32).
-template <int NV, int C, typename T>
-inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
-                       float* of) {
+// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32). kDot: P holds S's
+// bf16 pairs (round_probs_bf16).
+template <int NV, int C, typename T, bool kDot>
+inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
+                       int64_t v0, float* of) {
   __m512 acc[NV][C];
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
@@ -138,7 +140,8 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
   for (int64_t b = s.b0; b <= s.b1; ++b) {
     const T* vb = vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
-    pv_block<NV, C, T>(S + v0 * s.ns + (b - s.b0) * a.B, s.ns, vb, lo, hi, acc);
+    const int64_t at = v0 * s.ns + (b - s.b0) * a.B;
+    pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr);
   }
   const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
   PAGELLM_UNROLL
@@ -150,16 +153,18 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
 }
 
 // The last rem (< NV) vectors in one pass.
-template <int C, typename T, int K>
-inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const T* vc, int64_t v0,
-                        int64_t rem, float* of) {
+template <int C, typename T, bool kDot, int K>
+inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
+                        int64_t v0, int64_t rem, float* of) {
   if constexpr (K > 0) {
-    if (rem == K) values_for<K, C, T>(a, t, s, S, vc, v0, of);
-    else values_tail<C, T, K - 1>(a, t, s, S, vc, v0, rem, of);
+    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of);
+    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of);
   }
 }
 
-// kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot).
+// kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot), and S has room after the task's scores
+// for one head's probabilities as bf16 pairs (nv * ns / 2 words): the value pass runs on VDPBF16PS too, on the
+// probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot).
 template <int C, typename T, bool kDot>
 void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
   const Span s = span_of(a, t);
@@ -193,9 +198,14 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
     float* Sh = S + j * nv * s.ns;
     float* oh = of + j * nv * D;
     softmax_rows(a, th, s, Sh);
+    int32_t* P = nullptr;
+    if constexpr (kDot) {
+      P = reinterpret_cast<int32_t*>(S + t.nh * nv * s.ns);
+      round_probs_bf16(Sh, nv * s.ns, P);
+    }
     int64_t v = 0;
-    for (; v + NV <= nv; v += NV) values_for<NV, C, T>(a, th, s, Sh, vc, v, oh);
-    if (v < nv) values_tail<C, T, NV - 1>(a, th, s, Sh, vc, v, nv - v, oh);
+    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh);
+    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh);
   }
 }
 
@@ -213,7 +223,7 @@ bool attend_dims_as(const Args& a, const Task& t, const float* qf, const T* kc, 
   }
 }
 
-// The kernel for cache type T (a.dot: the score dot products, bf16 only).
+// The kernel for cache type T (a.dot: the dot products, bf16 only).
 template <typename T>
 bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
 #if defined(__AVX512BF16__)
@@ -323,7 +333,7 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
     }
 #endif
   w.qf.resize(t.nh * nv * D);
-  w.S.resize(t.nh * nv * s.ns);
+  w.S.resize(t.nh * nv * s.ns + nv * s.ns / 2);  // the scores, and with Args::dot one head's bf16 probabilities
   // fp8: a staged request's tasks run on the bf16 copy of its blocks; otherwise the vectorised kernel reads e4m3
   // keys scaled down (fp8_read_scale) and q takes the factor, exactly.
   const bool half = !st16.on.empty() && st16.on[t.r];
@@ -387,7 +397,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   a.k_sb = k_cache.stride(0), a.k_sh = k_cache.stride(1), a.v_sb = v_cache.stride(0), a.v_sh = v_cache.stride(1);
   a.bt = bt.data_ptr<int64_t>(), a.seq = seq_lens.data_ptr<int64_t>(), a.qs = query_start.data_ptr<int64_t>();
   a.scale = static_cast<float>(scale), a.window = window;
-  // bf16 scores by VDPBF16PS where the linears take it (AMD: at the FMA's rate, fma_linear_cpu.cpp)
+  // bf16 scores and weighted sums by VDPBF16PS where the linears take it (AMD: at the FMA's rate, fma_linear_cpu.cpp)
   a.dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16> && fma_linear_dot_default();
   a.kv_start = kv_start, a.lse = lse, a.lse_s0 = lse_s0;
   const int64_t R = seq_lens.size(0);

@@ -20,7 +20,7 @@ struct Args {
   const int64_t *bt, *seq, *qs;
   float scale;
   int64_t window;
-  bool dot = false;  // bf16 q and cache: scores by VDPBF16PS on q's bf16 pairs (score_tile's kDot, run_task)
+  bool dot = false;  // bf16 q and cache: scores and weighted sums by VDPBF16PS (kDot: score_tile, pv_pair_dot)
   const int64_t* kv_start;  // per request, or null: keys before it are left out (cascade attention's suffix part)
   float* lse;               // [T, H] log-sum-exp of each row's scores, or null
   int64_t lse_s0;

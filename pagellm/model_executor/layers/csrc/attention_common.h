@@ -167,6 +167,9 @@ inline void score_tile(const float* q, int64_t D, const T* kb, int64_t B, int64_
 // 32-token blocks, two threads; in-process, alternating with score_tile's two passes): 26.1-29.3 against 29.2-32.3
 // ms, with the request's blocks consecutive or shuffled; workload_64 end to end (`pagellm bench throughput`, 4
 // alternating process pairs): 9.16-9.46 against 9.48-9.91 s, inter-token p50 51 against 54 ms.
+// kDot (AMD's cores) brings the next block's keys into L2 only, as the values: on Zen 4 (2026-12-04, the decode case
+// above alternating in one process, 6 rounds, min / median) 23.9 / 25.1 against 29.3 / 30.2 ms with the blocks
+// shuffled, 22.7 / 24.6 against 23.3 / 25.2 in order: the L1's fill buffers held the stream back.
 template <int NV, typename T, bool kDot = false>
 inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int64_t t0, float* s, int64_t ns,
                           const char* pk, const char* pv, float dot_scale = 1.f) {
@@ -183,7 +186,10 @@ inline void score_block32(const float* q, int64_t D, const T* kb, int64_t B, int
     PAGELLM_UNROLL
     for (int u = 0; u < 2; ++u) {
       const int64_t r = j + u;
-      if (pk) _mm_prefetch(pk + r * B * 4, _MM_HINT_T0), _mm_prefetch(pk + r * B * 4 + 64, _MM_HINT_T0);
+      if (pk) {
+        if constexpr (kDot) _mm_prefetch(pk + r * B * 4, _MM_HINT_T1), _mm_prefetch(pk + r * B * 4 + 64, _MM_HINT_T1);
+        else _mm_prefetch(pk + r * B * 4, _MM_HINT_T0), _mm_prefetch(pk + r * B * 4 + 64, _MM_HINT_T0);
+      }
       if (pv) _mm_prefetch(pv + r * 128, _MM_HINT_T1), _mm_prefetch(pv + r * 128 + 64, _MM_HINT_T1);
       if constexpr (kDot) {  // as score_tile's kDot: accumulator [half][2u] per word row
         const __m512i k0 = _mm512_loadu_si512(w + r * B), k1 = _mm512_loadu_si512(w + r * B + 16);

@@ -1,6 +1,10 @@
 """PagedAttention backends against a dense causal-attention reference computed from unpaged K/V."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -346,10 +350,6 @@ def test_the_other_summing_path_where_the_cpu_has_both():
     # The paged kernel sums on VDPBF16PS (bf16 q and cache) where fma_linear_dot_default says so (AMD), else on
     # FMAs; the choice is made once per process, so this file's tests run again in a child process with
     # PAGELLM_FMA_DOT set to the other path: both are checked on any CPU with AVX512-BF16.
-    import os
-    import subprocess
-    import sys
-
     from pagellm.model_executor.layers.cpu_kernels import load_extension
 
     ops = load_extension()

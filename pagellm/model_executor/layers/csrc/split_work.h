@@ -23,14 +23,18 @@ namespace pagellm {
 
 // Runs the tasks on all threads, largest cost first, each thread taking the next from a shared counter (tasks of
 // one step differ a lot in size). thread_loop(next) is one thread's loop: it calls next() until that returns null;
-// its per-thread set-up and scratch go around the loop.
+// its per-thread set-up and scratch go around the loop. next(true) claims a task ahead, while the thread still
+// runs one (to prefetch its data): null, without claiming, once fewer tasks are left than threads, so the last
+// ones still go to whichever thread is free first.
 template <typename Task, typename ThreadLoop>
 void run_largest_first(std::vector<Task>& tasks, ThreadLoop&& thread_loop) {
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    thread_loop([&]() -> const Task* {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_loop([&](bool ahead = false) -> const Task* {
+      if (ahead && next.load(std::memory_order_relaxed) + threads > n) return nullptr;
       const int64_t i = next++;
       return i < n ? &tasks[i] : nullptr;
     });

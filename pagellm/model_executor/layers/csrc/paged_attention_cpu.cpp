@@ -377,7 +377,7 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
     ad.dot = dot;
     // the next task's blocks only where it reads the cache itself (not a staged copy)
     const bool direct = next && !(!st.on.empty() && st.on[next->r]) && !(!st16.on.empty() && st16.on[next->r]);
-    NextBlocks ahead(a, direct ? next : nullptr, kc, vc);
+    NextBlocks ahead(a, direct ? next : nullptr, kc, vc, qp);
     done = attend_dims<KV>(ad, t, w.qf.data(), kc, vc, w.S.data(), w.of.data(), ahead);
   }
 #elif defined(PAGELLM_HAS_AVX2)
@@ -393,7 +393,12 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
       for (int64_t g = 0; g < a.G; ++g) {
         T* o = op + (row0 + i) * a.o_s0 + ((t.h + j) * a.G + g) * a.o_s1;
         const float* f = w.of.data() + ((j * t.nrows + i) * a.G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(f[d]);
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        if constexpr (!std::is_same_v<T, c10::Half>)  // store16: c10's rounding, bit for bit
+          for (; d + 16 <= D; d += 16) store16(o + d, _mm512_loadu_ps(f + d));
+#endif
+        for (; d < D; ++d) o[d] = static_cast<T>(f[d]);
       }
 }
 

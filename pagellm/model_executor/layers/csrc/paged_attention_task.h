@@ -86,12 +86,14 @@ struct NextBlocks {
   template <typename KV, typename T = KV>
   NextBlocks(const Args& a, const Task* t, const KV* kc, const KV* vc, const T* q = nullptr) {
     if (!t) return;
-    if (q)
+    if (q) {
+      const int64_t bytes = ((t->nh * a.G - 1) * a.q_s1 + a.D) * static_cast<int64_t>(sizeof(T));  // a row's heads
       for (int64_t i = 0; i < t->nrows; ++i) {
         const char* row = reinterpret_cast<const char*>(q + (a.qs[t->r] + t->i0 + i) * a.q_s0 + t->h * a.G * a.q_s1);
-        const int64_t bytes = ((t->nh * a.G - 1) * a.q_s1 + a.D) * static_cast<int64_t>(sizeof(T));
-        for (int64_t l = 0; l < bytes + 63; l += 64) __builtin_prefetch(row + l, 0, 2);
+        for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(row + l, 0, 2);
+        __builtin_prefetch(row + bytes - 1, 0, 2);  // the last line, where the row starts mid-line
       }
+    }
     const Span s = span_of(a, *t);
     lines = (a.B * a.D * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
     for (int64_t b = s.b0; b <= s.b1; ++b)

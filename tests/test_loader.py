@@ -24,6 +24,8 @@ from pagellm.model_executor.loader import (
     load_checkpoint,
     resolve_model,
 )
+from pagellm.model_executor.layers.rotary import RotaryEmbedding
+from pagellm.model_executor.models.llama import ModelShape
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -234,14 +236,34 @@ def test_smollm2_gguf_weights_identical_to_transformers_from_pretrained(smol, gg
     assert_same_weights(smol.weights, want, atol=0.0)
 
 
-def test_smollm2_gguf_config_matches_transformers(smol, hf_smol):
-    ours, theirs = smol.hf_config.to_dict(), hf_smol[0].to_dict()
+def assert_same_model_config(ours: transformers.PretrainedConfig, theirs: transformers.PretrainedConfig,
+                             architecture: str) -> None:
+    """ours (a GGUF file's plain config, gguf_loader.config_class) against the model type's own transformers class:
+    every field ours holds has transformers' value, and what the engine derives from either is the same (the
+    model's shape, its RoPE tables, its end tokens). Fields only theirs holds are defaults the engine reads as such."""
+    a, b = ours.to_dict(), theirs.to_dict()
     ignore = {"architectures", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype", "transformers_version"}
-    for k in set(ours) | set(theirs):
+    for k in a:
         if k not in ignore:
-            assert ours.get(k) == theirs.get(k), k
-    assert type(smol.hf_config) is type(hf_smol[0]) is transformers.LlamaConfig
-    assert ours["architectures"] == ["LlamaForCausalLM"]
+            assert a[k] == b.get(k), k
+    assert ours.model_type == theirs.model_type and type(ours).__name__.endswith("GGUFConfig")
+    assert vars(ModelShape(ours, architecture)) == vars(ModelShape(theirs, architecture))
+    shape = ModelShape(ours, architecture)
+    tables = []
+    for cfg in (ours, theirs):
+        rope = RotaryEmbedding(cfg, shape.head_dim, 64)
+        rope.build_tables(torch.device("cpu"))
+        tables.append((rope.cos, rope.sin))
+    assert torch.equal(tables[0][0], tables[1][0]) and torch.equal(tables[0][1], tables[1][1])
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")  # as the GGUF states them (llama.cpp's converter does)
+    assert [getattr(ours, k, None) for k in ids] == [getattr(theirs, k, None) for k in ids]
+
+
+def test_smollm2_gguf_config_matches_transformers(smol, hf_smol):
+    assert type(hf_smol[0]) is transformers.LlamaConfig
+    assert_same_model_config(smol.hf_config, hf_smol[0], "LlamaForCausalLM")
+    ours = smol.hf_config.to_dict()
+    assert ours["architectures"] == ["LlamaForCausalLM"] and ours["model_type"] == "llama"
     assert smol.hf_config.head_dim == 64 and smol.hf_config.num_key_value_heads == 3
     assert smol.hf_config.dtype is None  # GGUF states no float dtype; see checkpoint_dtype
     assert checkpoint_dtype(smol) == torch.bfloat16
@@ -319,6 +341,11 @@ def test_tiny_gguf_roundtrip(tiny_gguf, arch):
     assert c.head_dim == (getattr(cfg, "head_dim", None) or 16)
     assert c.rope_parameters["rope_theta"] == cfg.rope_parameters["rope_theta"]
     assert abs(c.rms_norm_eps - cfg.rms_norm_eps) < 1e-12
+    # the same fields in the model type's own class
+    f = gguf_loader.open_gguf(path)
+    model_type, fields = gguf_loader.gguf_config_args(gguf_loader.read_metadata(f), {t.name: t.shape for t in f.tensors},
+                                                      path)
+    assert_same_model_config(c, transformers.AutoConfig.for_model(model_type, **fields), GGUF_ARCHS[arch])
     # bf16 load converts the same values
     ck16 = load_checkpoint(str(path), torch.bfloat16)
     assert_same_weights(ck16.weights, {k: v.to(torch.bfloat16) for k, v in sd.items()})
@@ -500,6 +527,26 @@ def test_unsupported_hf_architecture(tmp_path):
         '{"model_type": "brand_new", "architectures": ["BrandNewForCausalLM"], "auto_map": {"AutoConfig": "x.Y"}}')
     with pytest.raises(ValueError, match="BrandNewForCausalLM.*LlamaForCausalLM"):
         load_checkpoint(tmp_path, torch.float32)
+
+
+@pytest.mark.parametrize("scaling", [None, ("linear", 4.0, None), ("yarn", 4.0, 512)])
+@pytest.mark.parametrize("arch", list(GGUF_ARCHS))
+def test_gguf_config_rope_scaling_matches_transformers(arch, scaling):
+    meta = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+            f"{arch}.attention.head_count_kv": 2, f"{arch}.block_count": 2, f"{arch}.feed_forward_length": 96,
+            f"{arch}.context_length": 2048, f"{arch}.rope.freq_base": 50000.0,
+            f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.bos_token_id": 4,
+            "tokenizer.ggml.eos_token_id": 5, "tokenizer.ggml.padding_token_id": 6}
+    if scaling:
+        kind, factor, original = scaling
+        meta.update({f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": factor})
+        if original:
+            meta[f"{arch}.rope.scaling.original_context_length"] = original
+    shapes = {"token_embd.weight": (100, 64)}
+    ours = gguf_loader.gguf_config(meta, shapes, "x.gguf")
+    model_type, fields = gguf_loader.gguf_config_args(meta, shapes, "x.gguf")
+    assert_same_model_config(ours, transformers.AutoConfig.for_model(model_type, **fields), GGUF_ARCHS[arch])
+    assert ours.rope_parameters["rope_type"] == (scaling[0] if scaling else "default")
 
 
 def test_unsupported_gguf_architecture(tmp_path):

@@ -11,17 +11,19 @@
   for the ``llama`` GGUF architecture, which is also what Llama- and Mistral-family HF
   checkpoints are converted to. That permutation is undone here exactly as transformers'
   ``LlamaTensorProcessor`` does. ``qwen2`` / ``qwen3`` are converted unpermuted.
-* The config is rebuilt from the GGUF metadata directly (equivalent to
+* The config is rebuilt from the GGUF metadata directly (the fields of
   ``AutoConfig.from_pretrained(dir, gguf_file=name)`` for these architectures, but without
   transformers' legacy metadata parser, which takes ~6 s on a 49k-token vocabulary), plus
   ``head_dim`` from ``<arch>.attention.key_length`` (transformers ignores it for qwen3)
-  and ``architectures``. The tokenizer class is picked the way ``AutoTokenizer`` picks it
-  and built with ``cls.from_pretrained(dir, gguf_file=name)`` (which reads
-  ``tokenizer.chat_template`` too).
+  and ``architectures``, held by a plain ``PretrainedConfig`` of the model type rather than
+  its own class (``config_class``: ~1.4 s less start-up). The tokenizer class is picked the
+  way ``AutoTokenizer`` picks it and built with ``cls.from_pretrained(dir, gguf_file=name)``
+  (which reads ``tokenizer.chat_template`` too).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -47,6 +49,9 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
+# model_type -> the tokenizer class AutoTokenizer picks for it (TokenizersBackend where not listed; tests check this
+# against AutoTokenizer itself: importing its mapping costs ~0.35 s of start-up)
+GGUF_TOKENIZERS = {"qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
 # architectures whose attn_q / attn_k rows llama.cpp's converter permutes (see transformers'
 # TENSOR_PROCESSORS: only "llama" among the ones we support)
 PERMUTED_QK_ARCHITECTURES = {"llama"}
@@ -335,7 +340,32 @@ def gguf_architecture(meta: dict[str, Any], source: str | pathlib.Path) -> tuple
 def gguf_config(
     meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], source: str | pathlib.Path
 ) -> transformers.PretrainedConfig:
-    """A transformers config rebuilt from GGUF metadata (and tensor names for biases / tying)."""
+    """A transformers config rebuilt from GGUF metadata (and tensor names for biases / tying): a plain
+    ``PretrainedConfig`` of the model type (``config_class``) holding gguf_config_args' fields."""
+    model_type, kwargs = gguf_config_args(meta, tensor_shapes, source)
+    try:
+        return config_class(model_type)(**kwargs)
+    except Exception as e:
+        raise ValueError(f"{source}: cannot build a {model_type} config from GGUF metadata: {e}") from e
+
+
+@functools.cache
+def config_class(model_type: str) -> type[transformers.PretrainedConfig]:
+    """``PretrainedConfig`` with ``model_type`` set, for a GGUF file's config in place of the model type's own class
+    (``LlamaConfig``...). Why: importing those classes costs ~1.4 s of a ~5 s cold start of the default model (their
+    field validators import ``transformers.activations``, which pulls in ``torch.distributed.tensor``,
+    ``torch._dynamo`` and ``sympy``), and a GGUF file states every field the engine reads (the rest the engine
+    reads with the same defaults; tests/test_loader.py holds the two equal where it matters: the model's shape,
+    RoPE, end tokens and the tokenizer's class)."""
+    name = "".join(p.capitalize() for p in model_type.split("_")) + "GGUFConfig"
+    return type(name, (transformers.PretrainedConfig,), {"model_type": model_type, "__module__": __name__})
+
+
+def gguf_config_args(
+    meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], source: str | pathlib.Path
+) -> tuple[str, dict[str, Any]]:
+    """``(model_type, fields)`` of gguf_config's config; ``transformers.AutoConfig.for_model(model_type, **fields)``
+    builds the model type's own class from them."""
     arch, model_type, hf_arch = gguf_architecture(meta, source)
 
     def key(name: str, default: Any = ...) -> Any:
@@ -375,6 +405,7 @@ def gguf_config(
         num_hidden_layers=int(key("block_count")),
         intermediate_size=int(key("feed_forward_length")),
         num_attention_heads=n_head,
+        hidden_act="silu",  # the three architectures' only activation (llama.cpp's graphs hard-code it)
         num_key_value_heads=int(key("attention.head_count_kv", n_head)),
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -393,10 +424,7 @@ def gguf_config(
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
-    try:
-        return transformers.AutoConfig.for_model(model_type, **kwargs)
-    except Exception as e:
-        raise ValueError(f"{source}: cannot build a {model_type} config from GGUF metadata: {e}") from e
+    return model_type, kwargs
 
 
 def gguf_tokenizer(
@@ -405,13 +433,8 @@ def gguf_tokenizer(
     """The fast tokenizer described by the GGUF metadata (None if it has none)."""
     if "tokenizer.ggml.model" not in meta:
         return None
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-
-    # the class AutoTokenizer would choose for this config (Qwen2Tokenizer for qwen2/qwen3,
-    # TokenizersBackend for llama/mistral), without AutoTokenizer re-parsing the config
-    cls = TOKENIZER_MAPPING.get(type(config), None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.TokenizersBackend)):
-        cls = transformers.TokenizersBackend
+    # the class AutoTokenizer would choose for this model type, without AutoTokenizer re-parsing the config
+    cls = getattr(transformers, GGUF_TOKENIZERS.get(config.model_type, "TokenizersBackend"))
     try:
         return cls.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:

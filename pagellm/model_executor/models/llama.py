@@ -179,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = self.shape = ModelShape(hf_config, architecture)
         self.rotary = RotaryEmbedding(hf_config, s.head_dim, max(max_position, 1))
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        # given its (meta) weight, so no random init runs: normal_ on the meta device goes through torch._refs,
+        # whose first use imports torch._dynamo (~1.3 s of a cold start)
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, _weight=torch.empty(s.vocab_size, s.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(s, i, backend) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.eps, backend.ops)
         self.ops = backend.ops

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import shutil
 import sys
 import zipfile
@@ -238,7 +239,7 @@ def test_smollm2_gguf_weights_identical_to_transformers_from_pretrained(smol, gg
 
 def assert_same_model_config(ours: transformers.PretrainedConfig, theirs: transformers.PretrainedConfig,
                              architecture: str) -> None:
-    """ours (a GGUF file's plain config, gguf_loader.config_class) against the model type's own transformers class:
+    """ours (a GGUF file's plain config, gguf_loader.GGUF_CONFIGS) against the model type's own transformers class:
     every field ours holds has transformers' value, and what the engine derives from either is the same (the
     model's shape, its RoPE tables, its end tokens). Fields only theirs holds are defaults the engine reads as such."""
     a, b = ours.to_dict(), theirs.to_dict()
@@ -267,6 +268,17 @@ def test_smollm2_gguf_config_matches_transformers(smol, hf_smol):
     assert smol.hf_config.head_dim == 64 and smol.hf_config.num_key_value_heads == 3
     assert smol.hf_config.dtype is None  # GGUF states no float dtype; see checkpoint_dtype
     assert checkpoint_dtype(smol) == torch.bfloat16
+
+
+def test_gguf_config_classes_pickle_and_save_as_their_model_type(smol, tmp_path):
+    assert set(gguf_loader.GGUF_CONFIGS) == {mt for mt, _ in gguf_loader.GGUF_ARCHITECTURES.values()}
+    c = smol.hf_config
+    assert type(c) is gguf_loader.LlamaGGUFConfig
+    assert pickle.loads(pickle.dumps(c)).to_dict() == c.to_dict()
+    c.save_pretrained(tmp_path)
+    back = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(back) is transformers.LlamaConfig
+    assert_same_model_config(c, back, "LlamaForCausalLM")
 
 
 def test_smollm2_gguf_tokenizer_matches_transformers(smol, gguf_path):

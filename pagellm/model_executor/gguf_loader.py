@@ -16,14 +16,13 @@
   transformers' legacy metadata parser, which takes ~6 s on a 49k-token vocabulary), plus
   ``head_dim`` from ``<arch>.attention.key_length`` (transformers ignores it for qwen3)
   and ``architectures``, held by a plain ``PretrainedConfig`` of the model type rather than
-  its own class (``config_class``: ~1.4 s less start-up). The tokenizer class is picked the
+  its own class (``LlamaGGUFConfig``...: ~1.4 s less start-up). The tokenizer class is picked the
   way ``AutoTokenizer`` picks it and built with ``cls.from_pretrained(dir, gguf_file=name)``
   (which reads ``tokenizer.chat_template`` too).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pathlib
@@ -341,24 +340,40 @@ def gguf_config(
     meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], source: str | pathlib.Path
 ) -> transformers.PretrainedConfig:
     """A transformers config rebuilt from GGUF metadata (and tensor names for biases / tying): a plain
-    ``PretrainedConfig`` of the model type (``config_class``) holding gguf_config_args' fields."""
+    ``PretrainedConfig`` of the model type (``GGUF_CONFIGS``, see LlamaGGUFConfig) holding gguf_config_args'
+    fields."""
     model_type, kwargs = gguf_config_args(meta, tensor_shapes, source)
     try:
-        return config_class(model_type)(**kwargs)
+        return GGUF_CONFIGS[model_type](**kwargs)
     except Exception as e:
         raise ValueError(f"{source}: cannot build a {model_type} config from GGUF metadata: {e}") from e
 
 
-@functools.cache
-def config_class(model_type: str) -> type[transformers.PretrainedConfig]:
-    """``PretrainedConfig`` with ``model_type`` set, for a GGUF file's config in place of the model type's own class
-    (``LlamaConfig``...). Why: importing those classes costs ~1.4 s of a ~5 s cold start of the default model (their
-    field validators import ``transformers.activations``, which pulls in ``torch.distributed.tensor``,
-    ``torch._dynamo`` and ``sympy``), and a GGUF file states every field the engine reads (the rest the engine
-    reads with the same defaults; tests/test_loader.py holds the two equal where it matters: the model's shape,
-    RoPE, end tokens and the tokenizer's class)."""
-    name = "".join(p.capitalize() for p in model_type.split("_")) + "GGUFConfig"
-    return type(name, (transformers.PretrainedConfig,), {"model_type": model_type, "__module__": __name__})
+class LlamaGGUFConfig(transformers.PretrainedConfig):
+    """A GGUF file's config (gguf_config) in place of the model type's own class (``LlamaConfig``...). Why: importing
+    those classes costs ~1.4 s of a ~5 s cold start of the default model (their field validators import
+    ``transformers.activations``, which pulls in ``torch.distributed.tensor``, ``torch._dynamo`` and ``sympy``), and
+    a GGUF file states every field the engine reads (the rest the engine reads with the same defaults;
+    tests/test_loader.py holds the two equal where it matters: the model's shape, RoPE, end tokens and the
+    tokenizer's class). ``save_pretrained`` writes the model type, so ``AutoConfig`` loads it as its own class."""
+
+    model_type = "llama"
+
+
+class Qwen2GGUFConfig(transformers.PretrainedConfig):
+    """As LlamaGGUFConfig, for qwen2."""
+
+    model_type = "qwen2"
+
+
+class Qwen3GGUFConfig(transformers.PretrainedConfig):
+    """As LlamaGGUFConfig, for qwen3."""
+
+    model_type = "qwen3"
+
+
+# model_type -> its config class for GGUF files (one for each model type of GGUF_ARCHITECTURES)
+GGUF_CONFIGS = {c.model_type: c for c in (LlamaGGUFConfig, Qwen2GGUFConfig, Qwen3GGUFConfig)}
 
 
 def gguf_config_args(

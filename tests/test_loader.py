@@ -248,8 +248,8 @@ def assert_same_model_config(ours: transformers.PretrainedConfig, theirs: transf
         if k not in ignore:
             assert a[k] == b.get(k), k
     assert ours.model_type == theirs.model_type and type(ours).__name__.endswith("GGUFConfig")
-    assert vars(ModelShape(ours, architecture)) == vars(ModelShape(theirs, architecture))
     shape = ModelShape(ours, architecture)
+    assert vars(shape) == vars(ModelShape(theirs, architecture))
     tables = []
     for cfg in (ours, theirs):
         rope = RotaryEmbedding(cfg, shape.head_dim, 64)

@@ -16,9 +16,9 @@
   transformers' legacy metadata parser, which takes ~6 s on a 49k-token vocabulary), plus
   ``head_dim`` from ``<arch>.attention.key_length`` (transformers ignores it for qwen3)
   and ``architectures``, held by a plain ``PretrainedConfig`` of the model type rather than
-  its own class (``LlamaGGUFConfig``...: ~1.4 s less start-up). The tokenizer class is picked the
-  way ``AutoTokenizer`` picks it and built with ``cls.from_pretrained(dir, gguf_file=name)``
-  (which reads ``tokenizer.chat_template`` too).
+  its own class (``LlamaGGUFConfig``...: ~1.4 s less start-up). The tokenizer class is
+  picked the way ``AutoTokenizer`` picks it and built with
+  ``cls.from_pretrained(dir, gguf_file=name)`` (which reads ``tokenizer.chat_template`` too).
 """
 
 from __future__ import annotations

@@ -374,6 +374,60 @@ def test_tiny_gguf_tokenizer_matches_autotokenizer(tiny_gguf, arch):
     assert ck.tokenizer.chat_template == CHAT_TEMPLATE
 
 
+def assert_same_tokenizer(tok, ref) -> None:
+    assert type(tok) is type(ref) and len(tok) == len(ref) and tok.get_vocab() == ref.get_vocab()
+    for text in ["the hello hell", "<|im_start|>user\nhi  there\t123 ünïcödé 🙂<|im_end|>", " leading space", "",
+                 "Hello, world!"]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text) and tok.decode(ids) == ref.decode(ids)
+        assert tok(text).input_ids == ref(text).input_ids
+    assert tok.chat_template == ref.chat_template
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == \
+        (ref.bos_token, ref.eos_token, ref.pad_token, ref.unk_token)
+    assert tok.all_special_ids == ref.all_special_ids
+    if ref.chat_template:
+        msgs = [{"role": "user", "content": "What is 2+2?"}]
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCHS))
+def test_gguf_tokenizer_cache(tiny_gguf, arch, tmp_path, monkeypatch):
+    """The first load builds the tokenizer from the GGUF file and saves it under the cache dir; the next loads
+    read the saved files and get the same tokenizer; a damaged entry is rebuilt."""
+    monkeypatch.setenv("PAGELLM_CACHE", str(tmp_path))
+    path = tiny_gguf[arch][0]
+    cache = gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path))
+    assert cache.parent == tmp_path / "tokenizers" and not cache.exists()
+    built = load_checkpoint(str(path), torch.float32).tokenizer
+    assert (cache / "tokenizer.json").is_file()
+    assert [p.name for p in cache.parent.iterdir()] == [cache.name]  # no temporary directory left
+    cached = load_checkpoint(str(path), torch.float32).tokenizer
+    assert_same_tokenizer(cached, built)
+    assert_same_tokenizer(cached, transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+    (cache / "tokenizer.json").write_text("{not json")
+    rebuilt = load_checkpoint(str(path), torch.float32).tokenizer
+    assert_same_tokenizer(rebuilt, built)
+    assert_same_tokenizer(load_checkpoint(str(path), torch.float32).tokenizer, built)  # the entry written again
+
+
+def test_gguf_tokenizer_cache_keyed_by_header_and_transformers_version(tiny_gguf, monkeypatch):
+    keys = {gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(tiny_gguf[a][0])) for a in GGUF_ARCHS}
+    assert len(keys) == len(GGUF_ARCHS)
+    path = tiny_gguf["llama"][0]
+    before = gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path))
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    assert gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path)) != before
+
+
+def test_smollm2_gguf_tokenizer_cache(gguf_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE", str(tmp_path))
+    built = load_checkpoint(str(gguf_path), torch.bfloat16).tokenizer
+    cached = load_checkpoint(str(gguf_path), torch.bfloat16).tokenizer
+    assert (gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(gguf_path)) / "tokenizer.json").is_file()
+    assert_same_tokenizer(cached, built)
+
+
 def test_tiny_llama_gguf_matches_transformers_gguf_loader(tiny_gguf):
     path, _, sd = tiny_gguf["llama"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -18,7 +18,8 @@
   and ``architectures``, held by a plain ``PretrainedConfig`` of the model type rather than
   its own class (``LlamaGGUFConfig``...: ~1.4 s less start-up). The tokenizer class is
   picked the way ``AutoTokenizer`` picks it and built with
-  ``cls.from_pretrained(dir, gguf_file=name)`` (which reads ``tokenizer.chat_template`` too).
+  ``cls.from_pretrained(dir, gguf_file=name)`` (which reads ``tokenizer.chat_template`` too),
+  then saved under the cache dir and loaded from there on later starts (``tokenizer_cache_path``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ that the scheduler, cache manager and model runner share one consistent view.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -67,19 +68,38 @@ def auto_block_size(max_model_len: int) -> int:
     return 32
 
 
+def cuda_kv_budget(total: int, available: int, gpu_memory_utilization: float, in_use: int) -> int:
+    """The KV budget on a CUDA device, sized as vLLM sizes it: ``gpu_memory_utilization`` of the device's ``total``
+    memory, less what this process has allocated already (``in_use``: the weights, and any other engine or tensor
+    the process holds). ``available``: what can still be allocated (free on the device, plus what torch's
+    allocator keeps unused); memory other processes hold is not counted on. The rest of the device (10% by
+    default) is the headroom for a step's activations."""
+    gib = 2**30
+    wanted = int(total * gpu_memory_utilization)
+    budget = wanted - in_use
+    if 0 < budget <= available:
+        return budget
+    why = (f"gpu_memory_utilization={gpu_memory_utilization} of the device's {total / gib:.1f} GiB is "
+           f"{wanted / gib:.1f} GiB; this process has allocated {in_use / gib:.1f} GiB already (the weights, and "
+           f"any other engine still alive in the process)")
+    if budget <= 0:
+        raise ValueError(f"{why}, which leaves nothing for the KV cache: free the other engine (del llm), raise "
+                         f"gpu_memory_utilization, or give kv_cache_memory")
+    raise ValueError(f"{why}, which leaves {budget / gib:.1f} GiB for the KV cache, but only {available / gib:.1f} GiB "
+                     f"can be allocated (other processes hold the rest): lower gpu_memory_utilization to at most "
+                     f"{math.floor((available + in_use) / total * 100) / 100}, or give kv_cache_memory")
+
+
 def default_kv_cache_memory(device: torch.device, gpu_memory_utilization: float, non_kv_bytes: int) -> int:
     """The KV budget when the user gives none.
 
     CPU: DEFAULT_CPU_KV_FRACTION of the memory available now, at most DEFAULT_CPU_KV_CAP.
-    CUDA: gpu_memory_utilization of the device's total memory, minus what the weights and a profiling
-    forward pass took (``non_kv_bytes``), as vLLM does.
+    CUDA: ``cuda_kv_budget``, ``non_kv_bytes`` being what the process has allocated on the device.
     """
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * gpu_memory_utilization) - non_kv_bytes
-        if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no memory for the KV cache")
-        return budget
+        free, total = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return cuda_kv_budget(total, free + unused, gpu_memory_utilization, non_kv_bytes)
     return int(min(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION, DEFAULT_CPU_KV_CAP))
 
 

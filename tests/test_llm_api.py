@@ -115,6 +115,23 @@ def test_request_that_exceeds_the_whole_pool_is_rejected(gguf_path):
     assert small.llm_engine.stats.kv_cache_bytes == 4 * 737280
 
 
+def test_cuda_kv_budget_and_its_errors():
+    """The default KV budget on CUDA (the arithmetic; the device's figures are its arguments): the device's share
+    less what the process holds; an engine still alive in the process, or other processes' memory, gets an error
+    that says which, with the way out."""
+    from pagellm.config import cuda_kv_budget
+
+    gib = 2**30
+    assert cuda_kv_budget(100 * gib, 95 * gib, 0.9, 5 * gib) == int(100 * gib * 0.9) - 5 * gib
+    with pytest.raises(ValueError, match=r"allocated 92\.0 GiB .* leaves nothing for the KV cache: free the other "
+                                         r"engine \(del llm\)"):
+        cuda_kv_budget(100 * gib, 8 * gib, 0.9, 92 * gib)  # the first engine's cache is still allocated
+    with pytest.raises(ValueError, match=r"only 30\.0 GiB can be allocated .* to at most 0\.31,") as e:
+        cuda_kv_budget(100 * gib, 30 * gib, 0.9, 1 * gib)  # another process holds most of the device
+    assert "gpu_memory_utilization=0.9" in str(e.value)
+    assert cuda_kv_budget(100 * gib, 30 * gib, 0.31, 1 * gib) == int(100 * gib * 0.31) - 1 * gib
+
+
 def test_bf16_long_prompt_in_chunks_matches_one_chunk(gguf_path):
     # bf16 runs the CPU kernels: a prompt longer than the token budget is prefilled in chunks, the first of which
     # sample nothing (an LM head over zero rows) and attend through the AMX prefill kernel after a cached context

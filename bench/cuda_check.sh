@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The engine on a CUDA machine, in one go (each step's output under OUT_DIR, default ./cuda_check):
+# a random-weight checkpoint of the default model's shape (bench/random_checkpoint.py), workload_64 in bf16 and
+# fp32, single-request latency at 128 and 512 prompt tokens, then the tests, whose engines take CUDA by default
+# (the files that test the C++ CPU kernels alone are left out: they run on the CPU wherever they run).
+#   bench/cuda_check.sh [WORKLOAD]
+# Needs the package importable (pip install -e ., or PYTHONPATH=.); tests on the default model need its file in
+# the cache dir ($PAGELLM_CACHE), or a network to fetch it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WORKLOAD=${1:-../shared/workloads/workload_64.json}
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT_DIR:-cuda_check}
+mkdir -p "$OUT_DIR"
+CKPT=$(mktemp -d)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/env.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT_DIR/env.txt"
+$PY bench/random_checkpoint.py "$CKPT" >/dev/null 2>"$OUT_DIR/checkpoint.log" || { echo "checkpoint failed"; exit 1; }
+{
+  for dtype in bfloat16 float32; do
+    timeout 300 $PY -m pagellm bench throughput --model "$CKPT" --workload "$WORKLOAD" --dtype "$dtype"; echo
+  done
+  for len in 128 512; do
+    timeout 120 $PY -m pagellm bench latency --model "$CKPT" --dtype bfloat16 --input-len $len --output-len 128; echo
+  done
+} >"$OUT_DIR/bench.jsonl" 2>"$OUT_DIR/bench.log"
+cat "$OUT_DIR/bench.jsonl"
+# With pytest-xdist, one worker: a test that crashes Python costs its worker, not the rest of the run.
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-p xdist -n 1")
+timeout "${PYTEST_LIMIT:-600}" $PY -m pytest -q -p no:cacheprovider -rfE $XDIST \
+  --ignore=tests/test_cpu_kernels.py --ignore=tests/test_fused_decoder.py --ignore=tests/test_gguf_linear.py \
+  --ignore=tests/test_fp16_linear.py --ignore=tests/test_fp16_attention.py tests >"$OUT_DIR/pytest.txt" 2>&1
+echo "pytest exit $?"
+grep -E "^(FAILED|ERROR)" "$OUT_DIR/pytest.txt" | cut -c1-200
+tail -1 "$OUT_DIR/pytest.txt"
+rm -rf "$CKPT"

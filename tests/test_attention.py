@@ -359,3 +359,21 @@ def test_the_other_summing_path_where_the_cpu_has_both():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
                            "not test_the_other_summing_path"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_the_torch_backend_keeps_cudnn_attention_out_on_cuda_only():
+    # On CUDA the reference backend's SDPA calls must not take cuDNN's attention, which builds a plan per new shape
+    # (~0.4 s each, and this backend brings new shapes every step); on CPU torch chooses as it likes.
+    from pagellm.model_executor.layers import attention
+
+    before = [f() for f in (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+                            torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)]
+    with attention.sdpa_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    with attention.sdpa_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    after = [f() for f in (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+                           torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)]
+    assert after == before

@@ -9,13 +9,15 @@ CPU and CUDA. Faster kernels (a CPU C++ kernel, FlashAttention's paged kernel) s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import contextlib
 import logging
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 logger = logging.getLogger("pagellm")
 
@@ -127,6 +129,23 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# SDPA's kernels for the torch backend on CUDA: torch 2.11 tries cuDNN's attention first for a masked bf16 call
+# on recent GPUs (reported on a B200; bf16 on our H200 ran ~3x slower than fp32), and cuDNN builds an execution
+# plan for every shape it has not seen, ~0.4 s each; this backend brings a new shape nearly every step (each
+# prefill chunk's length, each decode step's longest context). So cuDNN is left out; FlashAttention takes the
+# causal chunks, memory-efficient attention the masked ones. PAGELLM_SDPA_CUDNN=1 lets torch choose cuDNN again.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_CUDNN = os.environ.get("PAGELLM_SDPA_CUDNN", "0") == "1"
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels this backend's calls may take on ``device``: CUDA_SDPA_BACKENDS on CUDA (no cuDNN, see
+    above), torch's own choice elsewhere."""
+    if device.type != "cuda" or _SDPA_CUDNN:
+        return contextlib.nullcontext()
+    return sdpa_kernel(CUDA_SDPA_BACKENDS)
+
+
 def _key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
               sliding_window: int | None) -> torch.Tensor:
     """True where query at q_pos may attend key at k_pos (causal, within length, within window)."""
@@ -166,6 +185,10 @@ class TorchPagedAttention(AttentionBackend):
         return k_flat[slots].transpose(0, 1).to(dtype), v_flat[slots].transpose(0, 1).to(dtype)
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
+        with sdpa_backends(q.device):
+            return self._forward(q, k, v, kv_cache, meta, scale, sliding_window)
+
+    def _forward(self, q, k, v, kv_cache, meta, scale, sliding_window):
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         if not meta.prefill_rows:  # a pure decode step: no gather/scatter of rows
             return self.decode(q, kv_cache, meta, scale, sliding_window)

@@ -366,14 +366,15 @@ def test_the_torch_backend_keeps_cudnn_attention_out_on_cuda_only():
     # (~0.4 s each, and this backend brings new shapes every step); on CPU torch chooses as it likes.
     from pagellm.model_executor.layers import attention
 
-    before = [f() for f in (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
-                            torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)]
+    cuda = torch.backends.cuda
+
+    def flags():  # cuDNN, flash, memory-efficient, math
+        return [cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                cuda.math_sdp_enabled()]
+
+    before = flags()
     with attention.sdpa_backends(torch.device("cpu")):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+        assert flags() == before
     with attention.sdpa_backends(torch.device("cuda")):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-        assert torch.backends.cuda.math_sdp_enabled()
-    after = [f() for f in (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
-                           torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)]
-    assert after == before
+        assert flags() == [False, True, True, True]
+    assert flags() == before

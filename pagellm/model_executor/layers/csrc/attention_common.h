@@ -70,6 +70,48 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
   return m + std::log(sum);
 }
 
+// softmax_range on [lo, hi) of one row with each probability then rounded to bf16 (nearest even, denormals to 0:
+// what VDPBF16PS reads), stored both as fp32 (s) and as bf16 (h[t] for token t): kDot's value pass reads the bf16
+// pairs, and a pair cut by a span's ends goes through the FMAs on the same rounded fp32 values, so a row's bits do
+// not depend on where its chunk ends. Normalising and rounding are one sweep over the row's own keys (they were a
+// pass each, the rounding over the task's whole score rectangle). Returns the log-sum-exp.
+inline float softmax_range_bf16(float* s, uint16_t* h, int64_t lo, int64_t hi) {
+#if defined(__AVX512BF16__)
+  const int64_t n = hi - lo;
+  s += lo, h += lo;
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);  // n - i < 16
+  vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, s + i));
+  const float m = _mm512_reduce_max_ps(vm);
+  vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();  // summed as softmax_range sums: 16 lanes, the masked tail last
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (i < n) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), vm));
+    _mm512_mask_storeu_ps(s + i, tail, e);
+    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xffffu) : tail;
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
+    _mm256_mask_storeu_epi16(h + i, k, b);
+    _mm512_mask_storeu_ps(s + i, k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+  return m + std::log(sum);
+#else
+  (void)s, (void)h, (void)lo, (void)hi;  // never called: kDot needs AVX512-BF16
+  return 0.f;
+#endif
+}
+
 #if defined(__AVX512F__)
 // The two elements of each 32-bit word as fp32 (bf16: a shift and a mask; fp16: two conversions).
 PAGELLM_INLINE void split(__m512i w, __m512& lo, __m512& hi, const c10::BFloat16*) {
@@ -250,7 +292,7 @@ PAGELLM_INLINE void pv_pair(const float* p, int64_t ns, const int32_t* row, bool
 }
 
 // kDot: acc[v] += p[v][2i] * v_2i + p[v][2i+1] * v_2i+1 for one token pair, one VDPBF16PS per 16 dims and vector:
-// pw[v * nsw] holds the pair's probabilities as bf16 (round_probs_bf16), the value row the tokens' bf16 pairs.
+// pw[v * nsw] holds the pair's probabilities as bf16 (softmax_range_bf16), the value row the tokens' bf16 pairs.
 template <int NV, int C>
 PAGELLM_INLINE void pv_pair_dot(const int32_t* pw, int64_t nsw, const int32_t* row, __m512 (&acc)[NV][C]) {
 #if defined(__AVX512BF16__)
@@ -262,24 +304,6 @@ PAGELLM_INLINE void pv_pair_dot(const int32_t* pw, int64_t nsw, const int32_t* r
   }
 #else
   (void)pw, (void)nsw, (void)row, (void)acc;  // never called: kDot needs AVX512-BF16
-#endif
-}
-
-// p[0, n) rounded to bf16 in place (nearest even, denormals to 0: what VDPBF16PS reads), and the same bits as
-// bf16 pairs in pw[0, n / 2) (n even): the value pass's probabilities under kDot. The rounding happens before
-// either path reads them, so a token summed by the FMAs (a pair cut by the span's ends) adds the same product as
-// one summed by the dot product: a row's bits do not depend on where its chunk ends.
-inline void round_probs_bf16(float* p, int64_t n, int32_t* pw) {
-#if defined(__AVX512BF16__)
-  uint16_t* h = reinterpret_cast<uint16_t*>(pw);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xffffu : (1u << (n - i)) - 1);
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i));
-    _mm256_mask_storeu_epi16(h + i, m, b);
-    _mm512_mask_storeu_ps(p + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-  }
-#else
-  (void)p, (void)n, (void)pw;  // never called: kDot needs AVX512-BF16
 #endif
 }
 

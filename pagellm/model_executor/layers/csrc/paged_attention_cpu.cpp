@@ -128,7 +128,7 @@ inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t 
 }
 
 // Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32). kDot: P holds S's
-// bf16 pairs (round_probs_bf16).
+// bf16 pairs (softmax_rows' P16).
 template <int NV, int C, typename T, bool kDot>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
                        int64_t v0, float* of, NextBlocks& ahead, int64_t per_block) {
@@ -189,7 +189,10 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
                                       vb + t0 * 16 * C * sizeof(T), a.scale);
         continue;
       }
-      for (int64_t t0 = 0; t0 < B; t0 += 16) {
+      // only the tiles holding keys of the span: the softmax and the value pass read no score outside it (the
+      // last block of a causal span is on average half past its end)
+      const int64_t t_hi = std::min<int64_t>(B, s.khi - b * B);
+      for (int64_t t0 = std::max<int64_t>(0, s.klo - b * B) / 16 * 16; t0 < t_hi; t0 += 16) {
         const int64_t w = std::min<int64_t>(16, B - t0);
         scores_for<C, T, kDot>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
                                kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
@@ -202,12 +205,8 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
     const Task th = one_head(t, j);
     float* Sh = S + j * nv * s.ns;
     float* oh = of + j * nv * D;
-    softmax_rows(a, th, s, Sh);
-    int32_t* P = nullptr;
-    if constexpr (kDot) {
-      P = reinterpret_cast<int32_t*>(S + t.nh * nv * s.ns);
-      round_probs_bf16(Sh, nv * s.ns, P);
-    }
+    int32_t* P = kDot ? reinterpret_cast<int32_t*>(S + t.nh * nv * s.ns) : nullptr;
+    softmax_rows(a, th, s, Sh, reinterpret_cast<uint16_t*>(P));
     int64_t v = 0;
     for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block);
     if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block);

@@ -112,17 +112,20 @@ struct NextBlocks {
   }
 };
 
-// Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi).
-inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S) {
+// Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi). P16 (kDot):
+// the probabilities also as bf16, rounded (softmax_range_bf16), in rows of ns values like S's.
+inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, uint16_t* P16 = nullptr) {
   const int64_t base = s.b0 * a.B;
   for (int64_t i = 0; i < t.nrows; ++i) {
     const int64_t p = s.p0 + i, lo = key_lo(a, t.r, p);
     for (int64_t g = 0; g < a.G; ++g) {
       float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
-      const float lse = softmax_range(row, lo, p + 1);
+      uint16_t* row16 = P16 ? P16 + (i * a.G + g) * s.ns - base : nullptr;
+      const float lse = row16 ? softmax_range_bf16(row, row16, lo, p + 1) : softmax_range(row, lo, p + 1);
       if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = lse;
       std::fill(row + s.klo, row + lo, 0.f);
       std::fill(row + p + 1, row + s.khi, 0.f);
+      if (row16) std::fill(row16 + s.klo, row16 + lo, uint16_t{0}), std::fill(row16 + p + 1, row16 + s.khi, uint16_t{0});
     }
   }
 }

@@ -28,6 +28,8 @@
 // fp16 partial sums, attention_fp16.h. CPUs with AVX2 and FMA but no AVX-512: tasks over a bf16 cache take the
 // same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop). On AMD CPUs with AVX512-BF16
 // (Args::dot) a bf16 cache's scores and weighted sums take VDPBF16PS, the probabilities rounded to bf16 for it.
+// The AVX-512 loops of a task are attention_avx512.h; an fp8 cache's prefill chunks read a bf16 copy of their
+// blocks made once per call, fp8_staging.h.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,9 +40,11 @@
 #include <vector>
 
 #include "attention_avx2.h"
+#include "attention_avx512.h"
 #include "attention_common.h"
 #include "attention_fp16.h"
 #include "decode_attention_amx.h"
+#include "fp8_staging.h"
 #include "kv_cache_write.h"
 #include "ops.h"
 #include "paged_attention_task.h"
@@ -50,20 +54,7 @@ namespace {
 using namespace pagellm;
 using namespace pagellm::paged;
 
-// fp8 requests whose tasks have more query vectors than one pass of the value loop takes (prefill chunks): the
-// kernel reads every element once per group of vectors, and converting fp8 each time costs more than the
-// multiply-adds it feeds. So their blocks are first converted once per call into bf16 (which holds every e4m3
-// and e5m2 value exactly) in the bf16 layout, and their tasks run the bf16 kernel on that copy.
-struct Staged {
-  Args a;                            // addresses the copy: block table [R, MB] into it, its strides
-  const c10::BFloat16 *k = nullptr, *v = nullptr;
-  std::vector<char> on;              // per request: its tasks read the copy
-};
-
-inline bool wants_staging(const Args& a, int64_t qlen, int64_t max_query_len) {
-  return qlen <= max_query_len && std::min(qlen, kTileRows) * a.G > values_per_pass(a.D / 16);
-}
-
+// The portable loops (CPUs without AVX-512 or AVX2, or a head_dim the vectorised loops do not cover).
 template <typename T>
 void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S,
                     float* of) {
@@ -89,217 +80,6 @@ void attend_generic(const Args& a, const Task& t, const float* qf, const T* kc, 
   }
 }
 
-#if defined(__AVX512F__)
-// Scores of nv vectors for one 16-token tile, in groups of NV (6: 24 accumulators), then the rest; the first pass
-// over the keys also prefetches pk / pv (score_tile).
-template <int C, typename T, bool kDot, int NV = 6>
-inline void scores_for(const Args& a, const float* qf, const T* kb, int64_t t0, __mmask16 m, float* S, int64_t ns,
-                       int64_t nv, const char* pk, const char* pv) {
-  if constexpr (NV > 0) {
-    if (nv >= NV) {
-      for (int64_t v = 0; v + NV <= nv; v += NV)
-        score_tile<NV, T, kDot>(qf + v * 16 * C, 16 * C, kb, a.B, t0, m, S + v * ns, ns, v ? nullptr : pk,
-                                v ? nullptr : pv, a.scale);
-      const int64_t done = nv - nv % NV;
-      if (nv % NV)
-        scores_for<C, T, kDot, NV - 1>(a, qf + done * 16 * C, kb, t0, m, S + done * ns, ns, nv % NV, nullptr,
-                                       nullptr);
-    } else {
-      scores_for<C, T, kDot, NV - 1>(a, qf, kb, t0, m, S, ns, nv, pk, pv);
-    }
-  }
-}
-
-// score_block32 for nv <= 4 vectors (three, then the rest; the first group also prefetches); 16-bit caches only.
-template <typename T, bool kDot>
-inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t B, int64_t t0, float* S, int64_t ns,
-                               int64_t nv, const char* pk, const char* pv, float dot_scale) {
-  if constexpr (pack_x<T>() == 2) {
-    for (int64_t v = 0; v < nv; v += 3) {
-      const char* k = v ? nullptr : pk;
-      const char* p = v ? nullptr : pv;
-      switch (std::min<int64_t>(3, nv - v)) {
-        case 3: score_block32<3, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale); break;
-        case 2: score_block32<2, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale); break;
-        default: score_block32<1, T, kDot>(qf + v * D, D, kb, B, t0, S + v * ns, ns, k, p, dot_scale);
-      }
-    }
-  }
-}
-
-// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32). kDot: P holds S's
-// bf16 pairs (softmax_rows' P16).
-template <int NV, int C, typename T, bool kDot>
-inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                       int64_t v0, float* of, NextBlocks& ahead, int64_t per_block) {
-  __m512 acc[NV][C];
-  PAGELLM_UNROLL
-  for (int v = 0; v < NV; ++v)
-    PAGELLM_UNROLL
-    for (int c = 0; c < C; ++c) acc[v][c] = _mm512_setzero_ps();
-  for (int64_t b = s.b0; b <= s.b1; ++b) {
-    const T* vb = vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
-    const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
-    const int64_t at = v0 * s.ns + (b - s.b0) * a.B;
-    pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr);
-    ahead.issue(per_block);
-  }
-  const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
-  PAGELLM_UNROLL
-  for (int v = 0; v < NV; ++v)
-    PAGELLM_UNROLL
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c,
-                       fp8_read_scale<T>() == 1.f ? acc[v][c] : _mm512_mul_ps(acc[v][c], undo));
-}
-
-// The last rem (< NV) vectors in one pass.
-template <int C, typename T, bool kDot, int K>
-inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                        int64_t v0, int64_t rem, float* of, NextBlocks& ahead, int64_t per_block) {
-  if constexpr (K > 0) {
-    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of, ahead, per_block);
-    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of, ahead, per_block);
-  }
-}
-
-// kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot), and S has room after the task's scores
-// for one head's probabilities as bf16 pairs (nv * ns / 2 words): the value pass runs on VDPBF16PS too, on the
-// probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot). ahead: the first
-// blocks of the thread's next task, prefetched during the value pass.
-template <int C, typename T, bool kDot>
-void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
-            NextBlocks& ahead) {
-  const Span s = span_of(a, t);
-  const int64_t nv = t.nrows * a.G, B = a.B, D = a.D;
-  // Block by block, and within a block head by head: a block's kv heads lie next to each other, so a task over
-  // all of them reads each block's keys as one run (and a request's consecutive blocks as one stream).
-  for (int64_t b = s.b0; b <= s.b1; ++b)
-    for (int64_t h = t.h; h < t.h + t.nh; ++h) {
-      const int64_t j = h - t.h;
-      const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + h * a.k_sh;
-      // Pull the next block's keys and this block's values towards the core while the FMAs run.
-      const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + h * a.k_sh)
-                                : nullptr;
-      const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + h * a.v_sh);
-      float* Sb = S + j * nv * s.ns + (b - s.b0) * B;
-      if (pack_x<T>() == 2 && B % 32 == 0 && nv <= 4) {  // decode rows (up to 4 query heads per kv head)
-        for (int64_t t0 = 0; t0 < B; t0 += 32)
-          scores_block32_for<T, kDot>(qf + j * nv * D, D, kb, B, t0, Sb, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
-                                      vb + t0 * 16 * C * sizeof(T), a.scale);
-        continue;
-      }
-      // only the tiles holding keys of the span: the softmax and the value pass read no score outside it (the
-      // last block of a causal span is on average half past its end)
-      const int64_t t_hi = std::min<int64_t>(B, s.khi - b * B);
-      for (int64_t t0 = std::max<int64_t>(0, s.klo - b * B) / 16 * 16; t0 < t_hi; t0 += 16) {
-        const int64_t w = std::min<int64_t>(16, B - t0);
-        scores_for<C, T, kDot>(a, qf + j * nv * D, kb, t0, static_cast<__mmask16>((1u << w) - 1), Sb, s.ns, nv,
-                               kn ? kn + t0 * 4 : nullptr, vb + t0 * 16 * C * sizeof(T));
-      }
-    }
-  constexpr int NV = values_per_pass(C);
-  const int64_t passes = t.nh * (s.b1 - s.b0 + 1) * ((nv + NV - 1) / NV);  // values_for's block iterations
-  const int64_t per_block = (ahead.total() + passes - 1) / passes;
-  for (int64_t j = 0; j < t.nh; ++j) {
-    const Task th = one_head(t, j);
-    float* Sh = S + j * nv * s.ns;
-    float* oh = of + j * nv * D;
-    int32_t* P = kDot ? reinterpret_cast<int32_t*>(S + t.nh * nv * s.ns) : nullptr;
-    softmax_rows(a, th, s, Sh, reinterpret_cast<uint16_t*>(P));
-    int64_t v = 0;
-    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block);
-    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block);
-  }
-}
-
-// attend<D / 16, T, kDot>, or false where the head_dim has no vectorised kernel.
-template <typename T, bool kDot>
-bool attend_dims_as(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
-                    NextBlocks& ahead) {
-  switch (a.D) {
-    case 16: attend<1, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    case 32: attend<2, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    case 64: attend<4, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    case 96: attend<6, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    case 128: attend<8, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    case 256: attend<16, T, kDot>(a, t, qf, kc, vc, S, of, ahead); return true;
-    default: return false;
-  }
-}
-
-// The kernel for cache type T (a.dot: the dot products, bf16 only).
-template <typename T>
-bool attend_dims(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
-                 NextBlocks& ahead) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    if (a.dot) return attend_dims_as<T, true>(a, t, qf, kc, vc, S, of, ahead);
-#endif
-  return attend_dims_as<T, false>(a, t, qf, kc, vc, S, of, ahead);
-}
-
-// (bits of a) >> 16 | (bits of b) & 0xffff0000: two fp32 values that bf16 holds exactly, as one word of bf16.
-inline __m512i pack_bf16(__m512 lo, __m512 hi) {
-  return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
-                         _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-// One (block, kv head) of fp8 into bf16: K word row j (dims 4j .. 4j+3 of B tokens) -> rows 2j, 2j + 1; V word
-// row i (tokens 4i .. 4i+3, D dims) -> rows 2i, 2i + 1.
-template <typename KV>
-void fp8_block_to_bf16(const int32_t* kw, const int32_t* vw, int32_t* ko, int32_t* vo, int64_t B, int64_t D) {
-  const KV* tag = nullptr;
-  const __m512 undo = _mm512_set1_ps(fp8_read_scale<KV>());
-  auto lanes = [&](__m512i w, __m512 (&e)[4]) {
-    e[0] = _mm512_mul_ps(fp8_lane<0>(w, tag), undo), e[1] = _mm512_mul_ps(fp8_lane<1>(w, tag), undo);
-    e[2] = _mm512_mul_ps(fp8_lane<2>(w, tag), undo), e[3] = _mm512_mul_ps(fp8_lane<3>(w, tag), undo);
-  };
-  __m512 e[4];
-  for (int64_t j = 0; j < D / 4; ++j)
-    for (int64_t t0 = 0; t0 < B; t0 += 16) {
-      const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, B - t0)) - 1);
-      lanes(_mm512_maskz_loadu_epi32(m, kw + j * B + t0), e);
-      _mm512_mask_storeu_epi32(ko + 2 * j * B + t0, m, pack_bf16(e[0], e[1]));
-      _mm512_mask_storeu_epi32(ko + (2 * j + 1) * B + t0, m, pack_bf16(e[2], e[3]));
-    }
-  for (int64_t i = 0; i < B / 4; ++i)
-    for (int64_t d = 0; d < D; d += 16) {
-      lanes(_mm512_loadu_si512(vw + i * D + d), e);
-      _mm512_storeu_si512(vo + 2 * i * D + d, pack_bf16(e[0], e[1]));
-      _mm512_storeu_si512(vo + (2 * i + 1) * D + d, pack_bf16(e[2], e[3]));
-    }
-}
-
-// Fills st for the requests with want[r] (called when at least one has). The copy lives in per-thread buffers
-// that keep their size between calls, so a step's 30 layers do not each map and fault in fresh pages.
-template <typename KV>
-void stage_requests(const Args& a, const std::vector<char>& want, const KV* kc, const KV* vc, Staged& st) {
-  thread_local std::vector<c10::BFloat16> kbuf, vbuf;
-  thread_local std::vector<int64_t> table;
-  const auto blocks = staged_blocks(a, want, table);
-  st.on = want;
-  const int64_t per = a.B * a.D, n = static_cast<int64_t>(blocks.size()) * a.Hkv * per;
-  if (static_cast<int64_t>(kbuf.size()) < n) kbuf.resize(n), vbuf.resize(n);
-  // (the workers must not name the thread_locals: each would see its own, empty)
-  c10::BFloat16* kout = kbuf.data();
-  c10::BFloat16* vout = vbuf.data();
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()) * a.Hkv, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, b] = blocks[i / a.Hkv];
-      const int64_t h = i % a.Hkv, src = a.bt[r * a.MB + b];
-      fp8_block_to_bf16<KV>(reinterpret_cast<const int32_t*>(kc + src * a.k_sb + h * a.k_sh),
-                            reinterpret_cast<const int32_t*>(vc + src * a.v_sb + h * a.v_sh),
-                            reinterpret_cast<int32_t*>(kout + i * per), reinterpret_cast<int32_t*>(vout + i * per),
-                            a.B, a.D);
-    }
-  });
-  st.a = a;
-  st.a.bt = table.data();
-  st.a.k_sb = st.a.v_sb = a.Hkv * per, st.a.k_sh = st.a.v_sh = per;
-  st.k = kout, st.v = vout;
-}
-#endif
 
 // true when the vectorised kernel covers this head_dim (else the portable path runs)
 inline bool vectorised(int64_t D) {

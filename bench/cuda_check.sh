@@ -7,13 +7,19 @@
 #   bench/cuda_check.sh [WORKLOAD]
 # Needs the package importable (pip install -e ., or PYTHONPATH=.); tests on the default model need its file in
 # the cache dir ($PAGELLM_CACHE), or a network to fetch it.
+# On a machine lent for 10 minutes a call, keep the whole under that: the benchmarks stop at BENCH_LIMIT seconds
+# each (default 150; bf16 took ~20 s on an H200, so a run that stops there has found the slowdown), the tests at
+# PYTEST_LIMIT (default 600; e.g. OUT_DIR=$OUT/cuda_check PYTEST_LIMIT=200 bench/cuda_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORKLOAD=${1:-../shared/workloads/workload_64.json}
 PY=${PYTHON:-python3}
 OUT_DIR=${OUT_DIR:-cuda_check}
+BENCH_LIMIT=${BENCH_LIMIT:-150}
 mkdir -p "$OUT_DIR"
 CKPT=$(mktemp -d)
+# After a benchmark: a newline after its JSON line, or a line saying how it ended (124: stopped at its limit).
+said() { echo; [ "$2" -eq 0 ] || echo "# $1: exit $2$([ "$2" -eq 124 ] && echo ", stopped at its limit")"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/env.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT_DIR/env.txt"
 { lscpu | grep -E "Model name|Flags"; g++ --version | head -1; } >>"$OUT_DIR/env.txt" 2>&1
@@ -25,14 +31,17 @@ timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_cpu_kernels.py::test
 $PY bench/random_checkpoint.py "$CKPT" >/dev/null 2>"$OUT_DIR/checkpoint.log" || { echo "checkpoint failed"; exit 1; }
 {
   for dtype in bfloat16 float32; do
-    timeout 300 $PY -m pagellm bench throughput --model "$CKPT" --workload "$WORKLOAD" --dtype "$dtype"; echo
+    timeout "$BENCH_LIMIT" $PY -m pagellm bench throughput --model "$CKPT" --workload "$WORKLOAD" --dtype "$dtype"
+    said "throughput $dtype" $?
   done
   # the same bf16 run with cuDNN's attention allowed in SDPA again (attention.py's CUDA_SDPA_BACKENDS: left out
   # because it builds a plan per new shape), to see what leaving it out gives
-  PAGELLM_SDPA_CUDNN=1 timeout 300 $PY -m pagellm bench throughput --model "$CKPT" --workload "$WORKLOAD" \
-    --dtype bfloat16; echo
+  PAGELLM_SDPA_CUDNN=1 timeout "$BENCH_LIMIT" $PY -m pagellm bench throughput --model "$CKPT" --workload "$WORKLOAD" \
+    --dtype bfloat16
+  said "throughput bfloat16, PAGELLM_SDPA_CUDNN=1" $?
   for len in 128 512; do
-    timeout 120 $PY -m pagellm bench latency --model "$CKPT" --dtype bfloat16 --input-len $len --output-len 128; echo
+    timeout 120 $PY -m pagellm bench latency --model "$CKPT" --dtype bfloat16 --input-len $len --output-len 128
+    said "latency $len" $?
   done
 } >"$OUT_DIR/bench.jsonl" 2>"$OUT_DIR/bench.log"
 cat "$OUT_DIR/bench.jsonl"

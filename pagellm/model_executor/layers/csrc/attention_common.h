@@ -28,9 +28,8 @@ inline float v_at(const T* vb, int64_t D, int64_t t, int64_t d) {
   return to_float(vb[(t / x) * D * x + d * x + t % x]);
 }
 
-// p[lo..hi) = exp(s - max) / sum, in place (normalised probabilities); returns the log-sum-exp of the scores.
-inline float softmax_range(float* s, int64_t lo, int64_t hi) {
-  const float m = max_of(s + lo, hi - lo);
+// s[lo..hi) = exp(s - m) in place; returns their sum.
+inline float exp_sum(float* s, int64_t lo, int64_t hi, float m) {
   float sum = 0.f;
   int64_t i = lo;
 #if defined(__AVX512F__)
@@ -42,10 +41,10 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
     vsum = _mm512_add_ps(vsum, e);
   }
   if (i < hi) {  // the last < 16 in masked lanes (a scalar expf call each held ~30% of the softmax's time)
-    const __mmask16 m = static_cast<__mmask16>((1u << (hi - i)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vm));
-    _mm512_mask_storeu_ps(s + i, m, e);
-    vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    const __mmask16 k = static_cast<__mmask16>((1u << (hi - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
     i = hi;
   }
   sum = _mm512_reduce_add_ps(vsum);
@@ -65,8 +64,14 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
     s[i] = std::exp(s[i] - m);
     sum += s[i];
   }
+  return sum;
+}
+
+// p[lo..hi) = exp(s - max) / sum, in place (normalised probabilities); returns the log-sum-exp of the scores.
+inline float softmax_range(float* s, int64_t lo, int64_t hi) {
+  const float m = max_of(s + lo, hi - lo), sum = exp_sum(s, lo, hi, m);
   const float inv = 1.f / sum;
-  for (i = lo; i < hi; ++i) s[i] *= inv;
+  for (int64_t i = lo; i < hi; ++i) s[i] *= inv;
   return m + std::log(sum);
 }
 
@@ -77,30 +82,10 @@ inline float softmax_range(float* s, int64_t lo, int64_t hi) {
 // pass each, the rounding over the task's whole score rectangle). Returns the log-sum-exp.
 inline float softmax_range_bf16(float* s, uint16_t* h, int64_t lo, int64_t hi) {
 #if defined(__AVX512BF16__)
-  const int64_t n = hi - lo;
-  s += lo, h += lo;
-  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);  // n - i < 16
-  vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, s + i));
-  const float m = _mm512_reduce_max_ps(vm);
-  vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();  // summed as softmax_range sums: 16 lanes, the masked tail last
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  if (i < n) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), vm));
-    _mm512_mask_storeu_ps(s + i, tail, e);
-    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
-  }
-  const float sum = _mm512_reduce_add_ps(vsum);
+  const float m = max_of(s + lo, hi - lo), sum = exp_sum(s, lo, hi, m);
   const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xffffu) : tail;
+  for (int64_t i = lo; i < hi; i += 16) {
+    const __mmask16 k = static_cast<__mmask16>(hi - i >= 16 ? 0xffffu : (1u << (hi - i)) - 1);
     const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
     _mm256_mask_storeu_epi16(h + i, k, b);
     _mm512_mask_storeu_ps(s + i, k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));

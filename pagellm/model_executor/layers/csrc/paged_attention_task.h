@@ -125,7 +125,10 @@ inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, 
       if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = lse;
       std::fill(row + s.klo, row + lo, 0.f);
       std::fill(row + p + 1, row + s.khi, 0.f);
-      if (row16) std::fill(row16 + s.klo, row16 + lo, uint16_t{0}), std::fill(row16 + p + 1, row16 + s.khi, uint16_t{0});
+      if (row16) {
+        std::fill(row16 + s.klo, row16 + lo, uint16_t{0});
+        std::fill(row16 + p + 1, row16 + s.khi, uint16_t{0});
+      }
     }
   }
 }

@@ -207,6 +207,11 @@ inline float max_of(const float* x, int64_t n) {
 #if defined(__AVX512F__)
   __m512 vm = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+  if (i < n) {  // the last < 16 in masked lanes
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, x + i));
+    i = n;
+  }
   m = _mm512_reduce_max_ps(vm);
 #elif defined(PAGELLM_HAS_AVX2)
   __m256 vm = _mm256_set1_ps(m);

@@ -8,7 +8,8 @@ blocks at 1 and 4 rows against the streaming kernel; the fused
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
-kernel over bf16 and fp8 caches, and with fp32 against fp16 partial sums. Argmax: greedy sampling over [64, 49152] logits.
+kernel over bf16 and fp8 caches, and with fp32 against fp16 partial sums. Argmax: greedy sampling over [64, 49152] logits,
+and a greedy LM head by its logits or by the int8 screen (AVX512-VNNI CPUs without AMX).
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
 from __future__ import annotations
@@ -215,6 +216,30 @@ def argmax(ops) -> None:
                                                           rounds=10))
 
 
+def lm_head_screen(ops) -> None:
+    """A greedy LM head at 64 rows, SmolLM2's shape: the FMA kernel's logits and argmax_rows, against the int8 screen
+    (CPULinear.argmax). The rows are made to look like a final norm's output where it matters to the screen: four
+    channels 10-40x the rest, and one column's logit standing ~8 spreads above the others (SmolLM2 on workload_64's
+    decode rows: ~34 against a spread of ~4), so the screen keeps about as few columns as it does there."""
+    kernels = cpu_kernels(ops, torch.bfloat16)
+    if kernels is None or kernels.screen_argmax is None:
+        return
+    w = (torch.randn(49152, 576) * 0.04).bfloat16()
+    head = CPULinear(w, None, kernels)
+    head.enable_argmax_screen()
+    target = torch.randint(0, 49152, (64,))
+    x = torch.randn(64, 576) + 5 * w[target].float() / w[target].float().pow(2).mean(dim=1, keepdim=True).sqrt()
+    x[:, [17, 199, 371, 481]] *= torch.tensor([40.0, -25.0, 15.0, 10.0])
+    x = x.bfloat16()
+    logits = torch.empty(64, 49152, dtype=torch.bfloat16)
+    out = torch.empty(64, dtype=torch.int64)
+    assert torch.equal(head.argmax(x), head(x).float().argmax(-1))
+    emit(bench="greedy LM head [64 x 576] @ [49152 x 576]^T, ms", **best_ms({
+        "logits_then_argmax": lambda: (head.tiled(x, head.amx_weight, None, logits, *head.tiled_args),
+                                       ops.argmax_rows(logits, out)),
+        "int8_screen": lambda: head.argmax(x)}, rounds=10))
+
+
 if __name__ == "__main__":
     ops = load_extension()
     torch.manual_seed(0)
@@ -226,3 +251,4 @@ if __name__ == "__main__":
     attention_sums(ops)
     kv_cache_dtypes()
     argmax(ops)
+    lm_head_screen(ops)

@@ -155,16 +155,16 @@ def test_no_fused_decoder_where_it_does_not_apply(tiny_checkpoint):
 
 
 def test_greedy_batches_take_the_heads_argmax_kernel(checkpoint):
-    # a plain greedy batch gets its tokens from the LM head's argmax kernel (no logits): the same tokens as the
-    # logits' argmax, step for step; a batch asking for logprobs still gets logits
+    # a plain greedy batch gets its tokens from the LM head's argmax kernel (AMX's, or the int8 screen; no logits):
+    # the same tokens as the logits' argmax, step for step; a batch asking for logprobs still gets logits
     from pagellm.model_executor.layers.linear import CPULinear
 
     prompts = token_prompts((40, 9, 3, 17, 1), 13)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     llm = LLM(model=checkpoint("llama"), dtype="bfloat16", kv_cache_memory="32MiB")
     head = llm.llm_engine.runner.model.fast_lm_head
-    if head is None or head.kernels.amx_argmax is None:
-        pytest.skip("CPU without AMX-BF16")
+    if head is None or (head.kernels.amx_argmax is None and head.screen is None):
+        pytest.skip("CPU without AMX-BF16, and no int8 screen for this head")
     taken = []
     head.argmax = lambda x: taken.append(CPULinear.argmax(head, x)) or taken[-1]
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

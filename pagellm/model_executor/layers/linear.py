@@ -81,6 +81,7 @@ logger = logging.getLogger("pagellm")
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
+SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class CPUKernels:
     fma_dot: bool = False  # the FMA kernel on AVX512-BF16's dot products (bf16 weight): AMD CPUs, see cpu_kernels
     gguf: Callable | None = None  # torch.ops.pagellm.gguf_linear: up to GEMV_MAX_ROWS rows on a GGUF file's blocks
     amx_argmax: Callable | None = None  # torch.ops.pagellm.amx_linear_argmax (with amx): greedy LM heads
+    # torch.ops.pagellm.argmax_screen / argmax_screen_pack (with fma, AVX512-VNNI and -BF16): greedy LM heads
+    screen_argmax: Callable | None = None
+    screen_pack: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -173,6 +177,24 @@ class CPULinear(nn.Module):
         self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
         self.gemv = kernels.gemv if self.amx is None else None
         self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
+        # argmax's int8 screen (enable_argmax_screen): the packed copy, and the exact pairs with their weights
+        self.screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def enable_argmax_screen(self) -> bool:
+        """Lets argmax take the int8 screen (csrc/argmax_screen_cpu.cpp: the same index as the FMA kernel's
+        logits' argmax, from an int8 pass at twice the bf16 dot product's rate and the exact sums of the few
+        columns it cannot rule out), where the FMA kernel computes this layer's outputs in bf16 (not its fp16
+        form) and the kernel exists; one int8 copy of the weight (N x K bytes) more. Returns whether it will."""
+        n, k = self.weight.shape
+        if (self.kernels.screen_argmax is None or self.fma is None or self.kernels.fma_fp16 or self.bias is not None
+                or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous() or n % 16 or k % 32):
+            return False
+        q, sum128, info = self.kernels.screen_pack(self.weight.detach())
+        if not q.numel():  # a weight that is not finite
+            return False
+        self.screen = (q, sum128, info)
+        return True
 
     def set_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
         """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
@@ -207,17 +229,38 @@ class CPULinear(nn.Module):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's index of its largest output (int64 [rows]; the first on ties, as torch.argmax of forward's
-        output), from the AMX kernel without writing the [rows, N] outputs; None where forward would not take the
-        AMX kernel, or with a bias. For a greedy LM head: at 64 rows the logits are 6.3 MB (SmolLM2) written and
-        read back each step."""
+        output), without writing the [rows, N] outputs: from the AMX kernel, or from the int8 screen where
+        enabled (enable_argmax_screen); None where neither applies (forward's path would not be theirs, a bias,
+        or a row the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
+        (SmolLM2) written and read back each step."""
         rows = x.shape[0]
-        if (self.kernels.amx_argmax is None or self.amx is None or self.bias is not None or x.dim() != 2
-                or x.stride(-1) != 1 or x.dtype != torch.bfloat16 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS
+        if (self.bias is not None or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.bfloat16
+                or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS
                 or (self.gguf is not None and rows <= GEMV_MAX_ROWS)):
             return None
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
-        self.kernels.amx_argmax(x, self.amx_weight, self.weight.shape[0], out)
-        return out
+        if self.kernels.amx_argmax is not None and self.amx is not None:
+            self.kernels.amx_argmax(x, self.amx_weight, self.weight.shape[0], out)
+            return out
+        if self.screen is not None:
+            pairs, ws = self._exact_pairs(x)
+            if self.kernels.screen_argmax(x, self.weight, *self.screen, pairs, ws, int(self.kernels.fma_dot), out):
+                return out
+        return None
+
+    def _exact_pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs of x's dimensions (k, k + 1) the screen sums exactly, and the weight's bf16 pairs there
+        [N/16, P, 16]: chosen once, from the first call's rows, as the SCREEN_PAIRS pairs of largest |x|. A
+        model's final-norm output has a few channels 10-20x the rest, the same ones token after token; with them
+        in x's int8 step the screen would keep ~50x more columns (SmolLM2, workload_64's decode rows: ~25 a row
+        against thousands). Any choice gives the same answer; only the screen's cost moves."""
+        if self.screen_pairs is None:
+            n, k = self.weight.shape
+            top = x.detach().float().abs().view(x.shape[0], k // 2, 2).amax(dim=2).amax(dim=0)
+            pairs = torch.topk(top, min(SCREEN_PAIRS, k // 2)).indices.sort().values
+            ws = self.weight.detach().view(torch.int32)[:, pairs].reshape(n // 16, 16, -1).permute(0, 2, 1)
+            self.screen_pairs = (pairs.to(torch.int32), ws.contiguous())
+        return self.screen_pairs
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for this layer's output [gate | up] in one call of the tile kernel (AMX, else FMA), the
@@ -254,7 +297,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = None
+    amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
@@ -267,11 +310,14 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
                 fma_fp16 = reduced_precision_reduction and ops.fma_linear_fp16_supported()
                 # AVX512-BF16's dot product where it runs at the FMA's rate (AMD: twice the fp32 FMAs' work)
                 fma_dot = not fma_fp16 and ops.fma_linear_dot_default()
+                if ops.argmax_screen_supported():
+                    screen, screen_pack = ops.argmax_screen.default, ops.argmax_screen_pack.default
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
-    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax)
+    kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
+                         screen, screen_pack)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -241,6 +241,7 @@ class LlamaForCausalLM(nn.Module):
         replace_linears(self.layers, kernels)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
+        self.fast_lm_head.enable_argmax_screen()
         self.linear_kernels = kernels.name
         if quantized and self._use_gguf_blocks(quantized):
             self.linear_kernels += "+gguf"

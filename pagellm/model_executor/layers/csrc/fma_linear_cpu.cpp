@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "fma_linear_avx2.h"
+#include "fma_micro.h"
 #include "ops.h"
 #include "split_work.h"
 #include "tile_linear.h"
@@ -62,6 +63,7 @@
 
 namespace {
 using namespace pagellm;
+using namespace pagellm::fma;
 using bf16 = c10::BFloat16;
 
 #if defined(__AVX512FP16__)
@@ -75,27 +77,8 @@ constexpr bool kHasDot = true;
 constexpr bool kHasDot = false;
 #endif
 
-// How the micro-kernel sums: fp32 FMAs on the widened bf16 weight, fp16 FMAs on an fp16 copy, or bf16 dot products.
-enum class Sums { kFp32, kFp16, kDot };
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kMR = 12;                 // rows per micro-block: 12 x 2 accumulators + 4 weight registers
 constexpr int64_t kRowChunk = kMR * 8;  // rows per work item; its fp32 copy (<= 590 KB at K = 1,536) stays in L2
-
-// fp16 sums (see the file comment): x rows scaled by a power of two to a largest |value| in [256, 512), weights
-// to one in [0.5, 1), so kFlushSteps x 16 products per lane stay below 2^14 (fp16's largest: 65,504).
-constexpr int kFlushSteps = 2;  // 32-deep steps between flushes of the fp16 accumulators into fp32
-constexpr int kRowExp = 9;      // a row's largest |x| times 2^(kRowExp - its exponent) lies in [256, 512)
-// Each panel row's load is preceded by a prefetch of the same row one 32-deep step ahead (16 lines, 1 KiB): the
-// first micro-block of a work item reads its panels from memory, the next ones from L2, and the FMAs waited on
-// those loads (the FMA after a panel load held ~8% of the kernel's samples in `perf annotate`).
-// At the last step it reaches past the panel, which is harmless: a prefetch never faults.
-constexpr int kPrefetchLines = 16;
-// The panels of the item a thread runs next come into L2 while it runs this item's micro-blocks 1 and 2 (half of
-// each panel during each, one line per k-pair step): the next item's first micro-block then reads them from L2 rather
-// than from memory. SmolLM2's linears at 64 rows (decode), alternating in one process: 0.91-0.93x the time on two
-// threads, 0.90x on one, the LM head 0.89x; 0.97x at 256 rows, unchanged at 2,048; decode steps of workload_64
-// 0.96-0.97x (2026-12-02, AMX-less VM). The AMX kernel does the same (amx_linear_cpu.cpp).
 
 struct Gemm {
   const bf16* x;
@@ -190,140 +173,6 @@ void convert_rows(const Gemm& g, int64_t m0, int64_t rows, float* a) {
         }
     }
   }
-}
-
-// R rows (R <= kMR) of one micro-block, a: its fp32 [K/2][kMR][2]; b[p]: NP packed bf16 panels; out: [R][NP];
-// pn: null, or NP panels to bring into L2 (the next item's), one line per k-pair step.
-template <int R, int NP>
-PAGELLM_INLINE void micro(const float* a, const uint16_t* const* b, int64_t kc_n, __m512 (&out)[kMR][2],
-                          const char* const* pn) {
-  __m512 acc[R][NP];
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m)
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
-  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t kc = 0; kc < kc_n; ++kc) {
-    const float* ak = a + kc * 16 * kMR * 2;
-    const uint16_t* bk[NP];
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) bk[p] = b[p] + kc * 512;
-    for (int r = 0; r < 16; ++r) {  // k-pair r of this 32-deep step
-      __m512 we[NP], wo[NP];  // the panels' 16 columns at k even and k odd, as fp32
-      PAGELLM_UNROLL for (int p = 0; p < NP; ++p)
-        _mm_prefetch(reinterpret_cast<const char*>(bk[p] + r * 32) + kPrefetchLines * 64, _MM_HINT_T0);
-      PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
-        const __m512i w = _mm512_loadu_si512(bk[p] + r * 32);
-        we[p] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-        wo[p] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
-      }
-      if (pn) {
-        const int64_t it = kc * 16 + r;
-        _mm_prefetch(pn[it % NP] + (it / NP) * 64, _MM_HINT_T1);
-      }
-      const float* ar = ak + r * kMR * 2;
-      PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
-        const __m512 ae = _mm512_set1_ps(ar[2 * m]), ao = _mm512_set1_ps(ar[2 * m + 1]);
-        PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
-          acc[m][p] = _mm512_fmadd_ps(ae, we[p], acc[m][p]);
-          acc[m][p] = _mm512_fmadd_ps(ao, wo[p], acc[m][p]);
-        }
-      }
-    }
-  }
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) out[m][p] = acc[m][p];
-}
-
-// One 32-deep step kc of the kernels that broadcast x's 32-bit pairs (micro_half, micro_dot): a, [K/2][kMR] pairs;
-// for each k-pair, the NP panels' rows as raw vectors, then mac(m, p, pair of row m broadcast, row of panel p).
-template <int R, int NP, typename Mac>
-PAGELLM_INLINE void pair_step(const int* pairs, const uint16_t* const* b, int64_t kc, const char* const* pn, Mac mac) {
-  const int* ak = pairs + kc * 16 * kMR;
-  const uint16_t* bk[NP];
-  PAGELLM_UNROLL for (int p = 0; p < NP; ++p) bk[p] = b[p] + kc * 512;
-  for (int r = 0; r < 16; ++r) {
-    __m512i w[NP];
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(bk[p] + r * 32);
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p)
-      _mm_prefetch(reinterpret_cast<const char*>(bk[p] + r * 32) + kPrefetchLines * 64, _MM_HINT_T0);
-    if (pn) {
-      const int64_t it = kc * 16 + r;
-      _mm_prefetch(pn[it % NP] + (it / NP) * 64, _MM_HINT_T1);
-    }
-    const int* ar = ak + r * kMR;
-    PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
-      const __m512i xv = _mm512_set1_epi32(ar[m]);
-      PAGELLM_UNROLL for (int p = 0; p < NP; ++p) mac(m, p, xv, w[p]);
-    }
-  }
-}
-
-#if defined(__AVX512FP16__)
-// The same on fp16: a, a micro-block's fp16 pairs [K/2][kMR] and row factors; b[p]: NP packed fp16 panels. A
-// 32-bit lane n of a weight vector holds column n at k even and k odd, times the broadcast pair (x_k, x_k+1):
-// each fp16 lane sums its own parity's products for kFlushSteps steps, then adds into fp32 (lo: columns 0-7,
-// hi: 8-15, parities interleaved); the parities are summed and the scales undone once at the end.
-template <int R, int NP>
-PAGELLM_INLINE void micro_half(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
-                               __m512 (&out)[kMR][2], const char* const* pn) {
-  const int* pairs = reinterpret_cast<const int*>(a);
-  const float* row_inv = a + kc_n * 16 * kMR;
-  __m512h acc[R][NP];
-  __m512 lo[R][NP], hi[R][NP];
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
-    acc[m][p] = _mm512_setzero_ph();
-    lo[m][p] = hi[m][p] = _mm512_setzero_ps();
-  }
-  for (int64_t kc = 0; kc < kc_n; ++kc) {
-    pair_step<R, NP>(pairs, b, kc, pn, [&](int m, int p, __m512i xv, __m512i w) __attribute__((always_inline)) {
-      acc[m][p] = _mm512_fmadd_ph(_mm512_castsi512_ph(xv), _mm512_castsi512_ph(w), acc[m][p]);
-    });
-    if ((kc + 1) % kFlushSteps == 0 || kc + 1 == kc_n) {
-      PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) {
-        const __m512i v = _mm512_castph_si512(acc[m][p]);
-        lo[m][p] = _mm512_add_ps(lo[m][p], _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
-        hi[m][p] = _mm512_add_ps(hi[m][p], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
-        acc[m][p] = _mm512_setzero_ph();
-      }
-    }
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
-    const __m512 f = _mm512_set1_ps(row_inv[m] * w_inv);  // powers of two: exact
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p)
-      out[m][p] = _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo[m][p], even, hi[m][p]),
-                                              _mm512_permutex2var_ps(lo[m][p], odd, hi[m][p])), f);
-  }
-}
-#endif
-
-#if defined(__AVX512BF16__)
-// The same with AVX512-BF16's dot product: a, a micro-block's bf16 pairs [K/2][kMR]; b[p]: NP packed bf16 panels.
-// VDPBF16PS adds the two products of a broadcast pair (x_k, x_k+1) and lane n's pair (column n at k and k+1) into
-// lane n: no conversion of either operand, one instruction for two FMAs' work.
-template <int R, int NP>
-PAGELLM_INLINE void micro_dot(const float* a, const uint16_t* const* b, int64_t kc_n, __m512 (&out)[kMR][2],
-                              const char* const* pn) {
-  const int* pairs = reinterpret_cast<const int*>(a);
-  __m512 acc[R][NP];
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m)
-    PAGELLM_UNROLL for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < kc_n; ++kc)
-    pair_step<R, NP>(pairs, b, kc, pn, [&](int m, int p, __m512i xv, __m512i w) __attribute__((always_inline)) {
-      acc[m][p] = _mm512_dpbf16_ps(acc[m][p], (__m512bh)xv, (__m512bh)w);
-    });
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) PAGELLM_UNROLL for (int p = 0; p < NP; ++p) out[m][p] = acc[m][p];
-}
-#endif
-
-template <Sums S, int R, int NP>
-PAGELLM_INLINE void multiply(const float* a, const uint16_t* const* b, int64_t kc_n, float w_inv,
-                             __m512 (&out)[kMR][2], const char* const* pn = nullptr) {
-#if defined(__AVX512FP16__)
-  if constexpr (S == Sums::kFp16) return micro_half<R, NP>(a, b, kc_n, w_inv, out, pn);
-#endif
-#if defined(__AVX512BF16__)
-  if constexpr (S == Sums::kDot) return micro_dot<R, NP>(a, b, kc_n, out, pn);
-#endif
-  micro<R, NP>(a, b, kc_n, out, pn);
 }
 
 // bf16 of v (+ bias[0..16)) into y's 16 columns, the first `cols` of them.
@@ -432,6 +281,36 @@ void run(const Gemm& g) {
     if (g.dot) return run<Sums::kDot>(g);
   run<Sums::kFp32>(g);
 }
+template <Sums S>
+void panel_sums(const Gemm& g, const int64_t* rows, const uint16_t* const* panels, int64_t n, float* out) {
+  // every row converted once, micro-block by micro-block of kMR rows as run() does
+  const int64_t per_block = block_floats<S>(g.K), chunks = (g.M + kRowChunk - 1) / kRowChunk;
+  std::vector<float> a(static_cast<size_t>(chunks * micro_blocks(kRowChunk) * per_block));
+  for (int64_t m0 = 0; m0 < g.M; m0 += kRowChunk)
+    convert_rows<S>(g, m0, std::min(kRowChunk, g.M - m0),
+                    a.data() + m0 / kRowChunk * micro_blocks(kRowChunk) * per_block);
+  auto lane_of = [&](int64_t m) {  // row m's micro-block (within its chunk) and lane
+    const int64_t c = m / kRowChunk, rows_c = std::min(kRowChunk, g.M - c * kRowChunk), i = m - c * kRowChunk;
+    int64_t blk = 0;
+    while (micro_start(rows_c, blk + 1) <= i) ++blk;
+    const float* base = a.data() + (c * micro_blocks(kRowChunk) + blk) * per_block;
+    return base + (i - micro_start(rows_c, blk)) * (S == Sums::kDot ? 1 : 2);
+  };
+  at::parallel_for(0, (n + kJobs - 1) / kJobs, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float tmp[kJobs * 16];
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const float* as[kJobs];
+      const uint16_t* bs[kJobs];
+      const int64_t j0 = grp * kJobs, cnt = std::min<int64_t>(kJobs, n - j0);
+      for (int j = 0; j < kJobs; ++j) {  // a short last group repeats its last job
+        const int64_t k = j0 + std::min<int64_t>(j, cnt - 1);
+        as[j] = lane_of(rows[k]), bs[j] = panels[k];
+      }
+      job_sums<S>(as, bs, g.K / 32, tmp);
+      std::copy(tmp, tmp + cnt * 16, out + j0 * 16);
+    }
+  });
+}
 #endif
 
 // Checks the operands (tile_linear.h); a packed fp16 weight needs AVX512-FP16, dot products AVX512-BF16.
@@ -527,6 +406,23 @@ void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
   auto g = operands(x, packed, bias, out, w_inv, dot);
   g.up_tile = I / 16;
   run(g);
+#endif
+}
+
+// For the greedy LM head's screen (argmax_screen_cpu.cpp): the fp32 sums that fma_linear (no bias) would round into
+// the 16 columns of a panel of its packed weight, for row m of x, for the n jobs (m, panel) = (rows[j], panels[j]),
+// into out [n, 16]. x [M, K] bf16 with row stride ldx; a panel: bf16 [K/32, 16, 16, 2] as in fma_linear's packed
+// weight (pack_amx; a job may bring a panel of its own columns, packed the same way); dot as fma_linear's (1 / 0;
+// -1: the default). The same bits as fma_linear's sums for those columns and rows.
+void fma_linear_panel_sums(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t dot,
+                           const int64_t* rows, const uint16_t* const* panels, int64_t n, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  Gemm g{x, ldx, M, K, nullptr, false, dot < 0 ? fma_linear_dot_default() : dot > 0, 1.f, 0, 0, nullptr, nullptr, 0, 0};
+  if constexpr (kHasDot)
+    if (g.dot) return panel_sums<Sums::kDot>(g, rows, panels, n, out);
+  panel_sums<Sums::kFp32>(g, rows, panels, n, out);
+#else
+  TORCH_CHECK(false, "fma_linear_panel_sums needs AVX-512");
 #endif
 }
 

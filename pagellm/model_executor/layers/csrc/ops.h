@@ -1,8 +1,10 @@
 // The kernels' C++ entry points (each also registered as torch.ops.pagellm.*), for code in this library that
-// calls them directly rather than through the dispatcher: the fused decoder (decoder_cpu.cpp).
+// calls them directly rather than through the dispatcher: the fused decoder (decoder_cpu.cpp), the LM head's
+// screen (argmax_screen_cpu.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, at::Tensor out, double eps);
@@ -27,6 +29,8 @@ void fma_linear(const at::Tensor& x, const at::Tensor& packed, const c10::option
                 double w_inv = 1.0, int64_t dot = -1);
 void fma_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          at::Tensor out, double w_inv = 1.0, int64_t dot = -1);
+void fma_linear_panel_sums(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t dot,
+                           const int64_t* rows, const uint16_t* const* panels, int64_t n, float* out);
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const at::Tensor& slot_mapping);

@@ -1,0 +1,148 @@
+"""The greedy LM head's int8 screen (csrc/argmax_screen_cpu.cpp, CPULinear.argmax): each row's index of the largest
+bf16 output of the FMA kernel, the first on ties, exactly as its logits then torch.argmax give it. The screen rules
+a column out only where a bound that holds for any weights, rows and choice of exact pairs says it cannot be that
+index; these tests hold it to the full path on planted outliers, ties, magnitudes far from 1 and random cases."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.model_executor.layers.cpu_kernels import load_extension
+from pagellm.model_executor.layers.linear import SCREEN_PAIRS, CPULinear, cpu_kernels, pack_amx
+
+ops = load_extension()
+needs_screen = pytest.mark.skipif(ops is None or not ops.argmax_screen_supported(),
+                                  reason="CPU without AVX512-VNNI and AVX512-BF16")
+DOTS = [0, 1] if ops is not None and ops.fma_linear_dot_supported() else [0]
+
+
+def full_path(x: torch.Tensor, w: torch.Tensor, dot: int) -> torch.Tensor:
+    """The FMA kernel's bf16 logits, then torch.argmax (the first of equal largest values)."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    ops.fma_linear(x, pack_amx(w), None, out, 1.0, dot)
+    return out.float().argmax(dim=1)
+
+
+def screened(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int) -> torch.Tensor | None:
+    q, sum128, info = ops.argmax_screen_pack(w)
+    n = w.shape[0]
+    p = torch.tensor(pairs, dtype=torch.int32)
+    ws = w.view(torch.int32)[:, p.long()].reshape(n // 16, 16, len(pairs)).permute(0, 2, 1).contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    return out if ops.argmax_screen(x, w, q, sum128, info, p, ws, dot, out) else None
+
+
+def outlier_rows(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Rows like a final norm's output: a few channels 10-40x the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, [3, k // 3, k - 2]] *= torch.tensor([40.0, -25.0, 12.0])
+    return x.bfloat16()
+
+
+@needs_screen
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("rows,n,k", [(1, 528, 64), (13, 1024, 576), (64, 4096, 576), (100, 2048, 128)])
+@pytest.mark.parametrize("choice", ["outliers", "none", "others"])
+def test_the_same_index_as_the_full_path(rows, n, k, choice, dot):
+    # whatever pairs are summed exactly (the outlier channels, none, unrelated ones), the index is the full path's
+    x = outlier_rows(rows, k, seed=rows + n)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05).bfloat16()
+    pairs = {"outliers": [1, k // 6, k // 2 - 1], "none": [], "others": list(range(5, min(k // 2, 5 + SCREEN_PAIRS)))}
+    got = screened(x, w, pairs[choice], dot)
+    assert got is not None and torch.equal(got, full_path(x, w, dot))
+
+
+@needs_screen
+@pytest.mark.parametrize("dot", DOTS)
+def test_ties_go_to_the_first_index(dot):
+    # 16 distinct columns repeated over 1,024: every row's largest value is reached by 64 columns, and the first of
+    # them is the answer; then the answer's later copies each one bf16 step apart in one weight (near-ties)
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(16, 256, generator=g) * 0.1).bfloat16()
+    w = base.repeat(64, 1).contiguous()
+    x = outlier_rows(40, 256, seed=4)
+    full = full_path(x, w, dot)
+    assert (full < 16).all()
+    assert torch.equal(screened(x, w, [1, 42], dot), full)
+    w2 = w.clone()
+    for c in range(16, 1024, 16):  # the later copies: weight 0 one bf16 step larger or smaller in magnitude
+        bits = w2[c:c + 16, 0].view(torch.int16)
+        w2[c:c + 16, 0] = (bits + (1 if c // 16 % 2 else -1)).view(torch.bfloat16)
+    assert torch.equal(screened(x, w2, [1, 42], dot), full_path(x, w2, dot))
+
+
+@needs_screen
+@pytest.mark.parametrize("dot", DOTS)
+def test_zero_rows_negative_logits_and_far_magnitudes(dot):
+    x = outlier_rows(6, 576, seed=5).float()
+    x[0] = 0.0  # every logit 0: index 0
+    x[1] *= 1e-30
+    x[2] *= 1e20
+    x[3] = -x[4].abs()  # logits mostly of one sign
+    x = x.bfloat16()
+    g = torch.Generator().manual_seed(6)
+    for scale in (1e-3, 1.0, 1e3):
+        w = (torch.randn(512, 576, generator=g) * scale).abs().bfloat16()  # all positive: row 3's logits negative
+        got = screened(x, w, [1, 96], dot)
+        assert got is not None and torch.equal(got, full_path(x, w, dot))
+        assert got[0] == 0
+
+
+@needs_screen
+def test_what_it_cannot_screen_is_left_to_the_full_path():
+    w = torch.randn(64, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5] = float("nan")
+    assert screened(x, w, [0], 1) is None
+    x[1, 5] = float("inf")
+    assert screened(x, w, [0], 1) is None
+    bad = w.clone()
+    bad[3, 3] = float("inf")
+    assert ops.argmax_screen_pack(bad)[0].numel() == 0
+    q, sum128, info = ops.argmax_screen_pack(w)
+    out = torch.empty(2, dtype=torch.int64)
+    for pairs in ([4, 4], [32], [-1]):  # repeated, past K / 2, negative
+        p = torch.tensor(pairs, dtype=torch.int32)
+        ws = torch.zeros(4, len(pairs), 16, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="pairs: distinct pair indices below K / 2"):
+            ops.argmax_screen(torch.randn(2, 64).bfloat16(), w, q, sum128, info, p, ws, 1, out)
+
+
+@needs_screen
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 20), n16=st.integers(1, 12), k32=st.integers(1, 4), levels=st.sampled_from([3, 9, 255]),
+       x_exp=st.integers(-20, 20), w_exp=st.integers(-10, 10), n_pairs=st.integers(0, 8), seed=st.integers(0, 2**31),
+       dot=st.sampled_from(DOTS))
+def test_random_cases(rows, n16, k32, levels, x_exp, w_exp, n_pairs, seed, dot):
+    # weights on a few levels make exact and near ties common; magnitudes from 2^-20 to 2^20
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * n16, 32 * k32
+    w = (torch.randint(-(levels // 2), levels // 2 + 1, (n, k), generator=g).float() * 2.0 ** w_exp / levels).bfloat16()
+    x = (torch.randn(rows, k, generator=g) * 2.0 ** x_exp)
+    x[:, torch.randint(0, k, (2,), generator=g)] *= 30
+    x = x.bfloat16()
+    pairs = torch.randperm(k // 2, generator=g)[:n_pairs].tolist()
+    got = screened(x, w, pairs, dot)
+    assert got is not None and torch.equal(got, full_path(x, w, dot))
+
+
+@needs_screen
+def test_the_head_takes_it_where_the_fma_kernel_runs():
+    kernels = cpu_kernels(ops, torch.bfloat16)
+    if kernels is None or kernels.fma is None or kernels.fma_fp16:
+        pytest.skip("the LM head runs another kernel here (AMX's argmax, or fp16 sums)")
+    w = (torch.randn(1024, 576) * 0.05).bfloat16()
+    head = CPULinear(w, None, kernels)
+    assert head.enable_argmax_screen() and head.screen_pairs is None
+    x = outlier_rows(24, 576, seed=7)
+    got = head.argmax(x)
+    assert torch.equal(got, head(x).float().argmax(dim=1))
+    pairs, ws = head.screen_pairs  # chosen from the first call: the planted outlier channels among them
+    assert len(pairs) == SCREEN_PAIRS and {1, 96, 287} <= set(pairs.tolist())
+    x2 = outlier_rows(7, 576, seed=8)
+    assert torch.equal(head.argmax(x2), head(x2).float().argmax(dim=1))
+    assert CPULinear(w[:1000].contiguous(), None, kernels).enable_argmax_screen() is False  # N % 16 != 0
+    assert CPULinear(w, torch.zeros(1024).bfloat16(), kernels).enable_argmax_screen() is False  # a bias

@@ -256,7 +256,7 @@ class CPULinear(nn.Module):
         against thousands). Any choice gives the same answer; only the screen's cost moves."""
         if self.screen_pairs is None:
             n, k = self.weight.shape
-            top = x.detach().float().abs().view(x.shape[0], k // 2, 2).amax(dim=2).amax(dim=0)
+            top = x.detach().float().abs().reshape(x.shape[0], k // 2, 2).amax(dim=2).amax(dim=0)
             pairs = torch.topk(top, min(SCREEN_PAIRS, k // 2)).indices.sort().values
             ws = self.weight.detach().view(torch.int32)[:, pairs].reshape(n // 16, 16, -1).permute(0, 2, 1)
             self.screen_pairs = (pairs.to(torch.int32), ws.contiguous())

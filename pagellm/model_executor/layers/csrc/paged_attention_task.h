@@ -121,8 +121,9 @@ inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, 
     for (int64_t g = 0; g < a.G; ++g) {
       float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
       uint16_t* row16 = P16 ? P16 + (i * a.G + g) * s.ns - base : nullptr;
-      const float lse = row16 ? softmax_range_bf16(row, row16, lo, p + 1) : softmax_range(row, lo, p + 1);
-      if (a.lse) a.lse[(a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g] = lse;
+      float* lse = a.lse ? a.lse + (a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g : nullptr;
+      if (row16) softmax_range_bf16(row, row16, lo, p + 1, lse);
+      else softmax_range(row, lo, p + 1, lse);
       std::fill(row + s.klo, row + lo, 0.f);
       std::fill(row + p + 1, row + s.khi, 0.f);
       if (row16) {

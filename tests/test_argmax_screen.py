@@ -25,13 +25,21 @@ def full_path(x: torch.Tensor, w: torch.Tensor, dot: int) -> torch.Tensor:
     return out.float().argmax(dim=1)
 
 
-def screened(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int) -> torch.Tensor | None:
+def screen(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int, max_kept: int | None = None):
+    """(indices, how many (row, column) pairs the exact stage took; -1: left to the full path). No cap on the
+    columns kept unless asked for: these tests hold the screen's answers, however many columns it keeps."""
     q, sum128, info = ops.argmax_screen_pack(w)
     n = w.shape[0]
     p = torch.tensor(pairs, dtype=torch.int32)
     ws = w.view(torch.int32)[:, p.long()].reshape(n // 16, 16, len(pairs)).permute(0, 2, 1).contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    return out if ops.argmax_screen(x, w, q, sum128, info, p, ws, dot, out) else None
+    cap = x.shape[0] * n if max_kept is None else max_kept
+    return out, ops.argmax_screen(x, w, q, sum128, info, p, ws, dot, cap, out)
+
+
+def screened(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int) -> torch.Tensor | None:
+    out, kept = screen(x, w, pairs, dot)
+    return out if kept >= 0 else None
 
 
 def outlier_rows(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -76,9 +84,8 @@ def test_ties_go_to_the_first_index(dot):
 
 @needs_screen
 @pytest.mark.parametrize("dot", DOTS)
-def test_zero_rows_negative_logits_and_far_magnitudes(dot):
+def test_negative_logits_and_far_magnitudes(dot):
     x = outlier_rows(6, 576, seed=5).float()
-    x[0] = 0.0  # every logit 0: index 0
     x[1] *= 1e-30
     x[2] *= 1e20
     x[3] = -x[4].abs()  # logits mostly of one sign
@@ -88,7 +95,33 @@ def test_zero_rows_negative_logits_and_far_magnitudes(dot):
         w = (torch.randn(512, 576, generator=g) * scale).abs().bfloat16()  # all positive: row 3's logits negative
         got = screened(x, w, [1, 96], dot)
         assert got is not None and torch.equal(got, full_path(x, w, dot))
-        assert got[0] == 0
+
+
+@needs_screen
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("k", [64, 32768])
+def test_products_below_the_smallest_normal(dot, k):
+    # every product 2^-128 (column 1) against zeros (column 0): VDPBF16PS flushes such sums to zero, so on the dot
+    # path both logits are 0 and the answer is 0, while the int8 screen sees column 1 at ~K 2^-128 above column 0;
+    # the FMA path keeps the denormal sums (column 1). Either way the screen answers as the full path does.
+    w = torch.zeros(16, k, dtype=torch.bfloat16)
+    w[1] = 2.0 ** -25
+    x = torch.full((3, k), 2.0 ** -103).bfloat16()
+    x[2, :8] = 1.0  # one row of ordinary size beside them
+    got = screened(x, w, [0], dot)
+    assert got is not None and torch.equal(got, full_path(x, w, dot))
+
+
+@needs_screen
+def test_rows_it_leaves_to_the_full_path():
+    # a row of zeros keeps every column (all logits equal, index 0); past the caller's cap: -1, out unset
+    w = (torch.randn(512, 576) * 0.05).bfloat16()
+    x = outlier_rows(4, 576, seed=9)
+    x[0] = 0.0
+    out, kept = screen(x, w, [1], DOTS[-1])
+    assert kept >= 512 and out[0] == 0 and torch.equal(out, full_path(x, w, DOTS[-1]))
+    assert screen(x, w, [1], DOTS[-1], max_kept=kept - 1)[1] == -1
+    assert screen(x, w, [1], DOTS[-1], max_kept=kept)[1] == kept
 
 
 @needs_screen
@@ -99,8 +132,12 @@ def test_what_it_cannot_screen_is_left_to_the_full_path():
     assert screened(x, w, [0], 1) is None
     x[1, 5] = float("inf")
     assert screened(x, w, [0], 1) is None
+    x[1, 5] = 1e-39  # a bf16 denormal: VDPBF16PS would read it as zero
+    assert screened(x, w, [0], 1) is None
     bad = w.clone()
     bad[3, 3] = float("inf")
+    assert ops.argmax_screen_pack(bad)[0].numel() == 0
+    bad[3, 3] = 1e-39
     assert ops.argmax_screen_pack(bad)[0].numel() == 0
     q, sum128, info = ops.argmax_screen_pack(w)
     out = torch.empty(2, dtype=torch.int64)
@@ -108,7 +145,7 @@ def test_what_it_cannot_screen_is_left_to_the_full_path():
         p = torch.tensor(pairs, dtype=torch.int32)
         ws = torch.zeros(4, len(pairs), 16, dtype=torch.int32)
         with pytest.raises(RuntimeError, match="pairs: distinct pair indices below K / 2"):
-            ops.argmax_screen(torch.randn(2, 64).bfloat16(), w, q, sum128, info, p, ws, 1, out)
+            ops.argmax_screen(torch.randn(2, 64).bfloat16(), w, q, sum128, info, p, ws, 1, 128, out)
 
 
 @needs_screen
@@ -146,3 +183,28 @@ def test_the_head_takes_it_where_the_fma_kernel_runs():
     assert torch.equal(head.argmax(x2), head(x2).float().argmax(dim=1))
     assert CPULinear(w[:1000].contiguous(), None, kernels).enable_argmax_screen() is False  # N % 16 != 0
     assert CPULinear(w, torch.zeros(1024).bfloat16(), kernels).enable_argmax_screen() is False  # a bias
+    wide = torch.zeros(16, 32800, dtype=torch.bfloat16)  # K past SCREEN_MAX_K: the int32 sums could overflow
+    assert CPULinear(wide, None, kernels).enable_argmax_screen() is False
+
+
+@needs_screen
+@pytest.mark.parametrize("threads", [1, 2])
+def test_it_keeps_few_columns(threads):
+    # rows with one clear winner each (as a trained model's are, mostly): the exact stage sees a few columns a row,
+    # whatever the thread count and with rows strided in a wider buffer
+    g = torch.Generator().manual_seed(10)
+    w = (torch.randn(4096, 576, generator=g) * 0.04).bfloat16()
+    target = torch.randint(0, 4096, (40,), generator=g)
+    x = torch.randn(40, 576, generator=g) + 5 * w[target].float() / w[target].float().pow(2).mean(1, keepdim=True).sqrt()
+    x[:, [17, 199, 371]] *= 20
+    wide = torch.zeros(40, 640, dtype=torch.bfloat16)
+    wide[:, :576] = x.bfloat16()
+    x = wide[:, :576]  # row stride 640
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, kept = screen(x, w, [8, 99, 185], 1 if 1 in DOTS else 0)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, full_path(x.contiguous(), w, 1 if 1 in DOTS else 0)) and torch.equal(got, target)
+    assert 40 <= kept <= 40 * 20

@@ -82,6 +82,7 @@ AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
+SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
 
 @dataclass(frozen=True)
@@ -188,10 +189,11 @@ class CPULinear(nn.Module):
         form) and the kernel exists; one int8 copy of the weight (N x K bytes) more. Returns whether it will."""
         n, k = self.weight.shape
         if (self.kernels.screen_argmax is None or self.fma is None or self.kernels.fma_fp16 or self.bias is not None
-                or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous() or n % 16 or k % 32):
+                or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous() or n % 16 or k % 32
+                or k > SCREEN_MAX_K):
             return False
         q, sum128, info = self.kernels.screen_pack(self.weight.detach())
-        if not q.numel():  # a weight that is not finite
+        if not q.numel():  # a weight that is not finite, or holds a denormal
             return False
         self.screen = (q, sum128, info)
         return True
@@ -231,7 +233,7 @@ class CPULinear(nn.Module):
         """Each row's index of its largest output (int64 [rows]; the first on ties, as torch.argmax of forward's
         output), without writing the [rows, N] outputs: from the AMX kernel, or from the int8 screen where
         enabled (enable_argmax_screen); None where neither applies (forward's path would not be theirs, a bias,
-        or a row the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
+        or rows the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
         (SmolLM2) written and read back each step."""
         rows = x.shape[0]
         if (self.bias is not None or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.bfloat16
@@ -244,14 +246,17 @@ class CPULinear(nn.Module):
             return out
         if self.screen is not None:
             pairs, ws = self._exact_pairs(x)
-            if self.kernels.screen_argmax(x, self.weight, *self.screen, pairs, ws, int(self.kernels.fma_dot), out):
+            # past an eighth of the columns kept (a row of zeros keeps them all) the full path is the cheaper one
+            max_kept = rows * self.weight.shape[0] // 8
+            if self.kernels.screen_argmax(x, self.weight, *self.screen, pairs, ws, int(self.kernels.fma_dot), max_kept,
+                                          out) >= 0:
                 return out
         return None
 
     def _exact_pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs of x's dimensions (k, k + 1) the screen sums exactly, and the weight's bf16 pairs there
         [N/16, P, 16]: chosen once, from the first call's rows, as the SCREEN_PAIRS pairs of largest |x|. A
-        model's final-norm output has a few channels 10-20x the rest, the same ones token after token; with them
+        model's final-norm output has a few channels ~20x the rest, the same ones token after token; with them
         in x's int8 step the screen would keep ~50x more columns (SmolLM2, workload_64's decode rows: ~25 a row
         against thousands). Any choice gives the same answer; only the screen's cost moves."""
         if self.screen_pairs is None:

@@ -7,9 +7,9 @@
 // lane) retires at VDPBF16PS's rate with twice its products (Zen 4: 3.65 G/s each, register loops).
 //
 // The screen, per row x and column v (w_v its weights):
-//   - P pairs of x's dimensions, the caller's choice (CPULinear._exact_pairs: the channels where a final norm's
-//     output is 10-40x the rest, which would make x's int8 step that much coarser), are summed exactly against
-//     w_v's bf16 pairs (VDPBF16PS);
+//   - P pairs of x's dimensions, the caller's choice, are summed exactly against w_v's bf16 pairs (VDPBF16PS):
+//     CPULinear._exact_pairs picks the channels where a final norm's output is ~20x the rest (SmolLM2: largest
+//     |x_i| ~46 against an rms of ~2.4), which would make x's int8 step that much coarser;
 //   - the rest, x_in, is quantized per row: x_in = s_x q_x + r_x, q_x in [-127, 127], sent as u8 q_x + 128;
 //   - w_v is quantized per column at pack time: w_v = s_w q_w + r_w, q_w in [-127, 127];
 //   - A_v = s_x s_w (q_x . q_w) + (the pairs' sum), q_x . q_w = sum (q_x + 128) q_w - 128 sum q_w exact in int32.
@@ -23,8 +23,10 @@
 // fma_linear_panel_sums gives with fma_linear's bits, and rounded to bf16 as fma_linear stores them.
 //
 // SmolLM2's head on workload_64's decode rows, 16 exact pairs: E ~1.6 against logits ~34 whose spread is ~4, so a
-// row keeps ~25 of 49,152 columns on average (median 1, 99th percentile ~290). A row with a non-finite x or a
-// magnitude that could overflow, and weights that are not finite, are not screened (the caller's full path).
+// row keeps ~25 of 49,152 columns on average (median 1, 99th percentile ~290). Left to the caller's full path:
+// rows that are not finite, hold a denormal (VDPBF16PS reads it as zero) or could overflow, calls whose rows keep
+// more columns than the caller allows (a row of zeros keeps them all), and weights that are not finite or hold a
+// denormal.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,9 +59,12 @@ constexpr int64_t kMaxPairs = 32;  // exact pairs of x's dims at most
 constexpr int kMR = 12;       // rows per micro-block: 12 x 2 int32 accumulators
 // Rounding slack, relative, of the bound's own fp32 arithmetic.
 constexpr double kBoundSlack = 1.0 / 1024;
-// Absolute, per unit of |w_v| (stored as at least 1e-5): the dot products flush denormal products to zero, at
-// most K x 2^-126 in all.
-constexpr float kTinySlack = 1e-30f;
+// The exact stage's panels are built and summed this many jobs (16 columns each) at a time (~9 MB at K = 576).
+constexpr int64_t kJobChunk = 512;
+
+// Whether a bf16 value is a denormal: VDPBF16PS reads those as zero, an error no relative bound covers (such rows
+// and weights are left to the full path).
+inline bool denormal(bf16 v) { return (v.x & 0x7f80) == 0 && (v.x & 0x7f) != 0; }
 
 // A float not below the double d (norms are summed in double, then rounded up).
 inline float up(double d) { return std::nextafter(static_cast<float>(d), std::numeric_limits<float>::infinity()); }
@@ -79,15 +84,15 @@ struct Rows {
   int64_t block_start(int64_t b) const { return M * b / blocks(); }
 };
 
-// Fills row m of r from x (bf16 [K]) and the exact pairs; false if x is not finite or large enough that a logit
-// could overflow.
+// Fills row m of r from x (bf16 [K]) and the exact pairs; false if x is not finite, holds a denormal, or is large
+// enough that a logit could overflow.
 bool prepare_row(Rows& r, int64_t m, const bf16* x, const int32_t* pairs, float max_w_norm) {
   const int64_t K = r.K;
   std::vector<float> v(K), a(K);
   double xn = 0;
   for (int64_t k = 0; k < K; ++k) {
     v[k] = static_cast<float>(x[k]), a[k] = std::fabs(v[k]);
-    if (!std::isfinite(v[k])) return false;
+    if (!std::isfinite(v[k]) || denormal(x[k])) return false;
     xn += static_cast<double>(v[k]) * v[k];
   }
   if (std::sqrt(xn) * max_w_norm > 1e30) return false;
@@ -114,7 +119,7 @@ bool prepare_row(Rows& r, int64_t m, const bf16* x, const int32_t* pairs, float 
   // bound's subtraction (|A_v| <= |w_v||x| + E_v, E_v <= 3 |w_v||x| as |r| <= |w| elementwise: under 2^-17 |w_v||x|)
   const double slack = 1 + kBoundSlack;
   r.sx[m] = sx, r.rho[m] = up(std::sqrt(rho) * slack), r.xin[m] = up(std::sqrt(xin) * slack);
-  r.gx[m] = up(std::sqrt(xn) * (2.0 * (K + 8) * std::ldexp(1.0, -24) + std::ldexp(1.0, -17))) + kTinySlack;
+  r.gx[m] = up(std::sqrt(xn) * (2.0 * (K + 8) * std::ldexp(1.0, -24) + std::ldexp(1.0, -17)));
   return true;
 }
 
@@ -229,7 +234,8 @@ void screen(const Screen& s) {
 bool argmax_screen_supported() { return kScreen; }
 
 // w [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> (q int8 [N/16, K/4, 16, 4], sum128 int32 [N], info float [4, N]):
-// the screen's per-column int8 copy (see the file comment); three empty tensors where w is not finite.
+// the screen's per-column int8 copy (see the file comment); three empty tensors where w is not finite or holds a
+// denormal.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(0) % 16 == 0 &&
                   w.size(0) > 0 && w.size(1) % 32 == 0 && w.size(1) > 0,
@@ -249,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tens
       float top = 0.f;
       for (int64_t k = 0; k < K; ++k) {
         const float v = static_cast<float>(row[k]);
-        if (!std::isfinite(v)) finite = false;
+        if (!std::isfinite(v) || denormal(row[k])) finite = false;
         top = std::max(top, std::fabs(v));
       }
       const float sw = top > 0.f ? top / 127.f : 1.f;
@@ -267,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tens
       I[kScale * N + n] = sw;
       I[kScaledQNorm * N + n] = up(static_cast<double>(sw) * std::sqrt(qn));
       I[kResidualNorm * N + n] = up(std::sqrt(rn));
-      I[kNorm * N + n] = up(std::max(std::sqrt(wn), 1e-5));  // >= 1e-5: kTinySlack's unit
+      I[kNorm * N + n] = up(std::sqrt(wn));
     }
   });
   if (!finite) return {q.new_empty({0}), sum128.new_empty({0}), info.new_empty({0})};
@@ -277,11 +283,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tens
 // out [M] int64: each row's index of the largest bf16 output of fma_linear(x, pack_amx(w), no bias, dot) (the first
 // on ties), through the screen: q, sum128, info from argmax_screen_pack(w); pairs int32 [P] the pairs of x's dims
 // (k / 2) summed exactly (any, distinct: a choice only moves how many columns the screen keeps), ws int32
-// [N/16, P, 16] w's bf16 pairs there (ws[c, j, n] = w's pair pairs[j] of column 16c + n). Returns false, out unset,
-// where a row cannot be screened (non-finite x, a possible overflow): the caller takes the full path.
-bool argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& sum128,
-                   const at::Tensor& info, const at::Tensor& pairs, const at::Tensor& ws, int64_t dot,
-                   at::Tensor out) {
+// [N/16, P, 16] w's bf16 pairs there (ws[c, j, n] = w's pair pairs[j] of column 16c + n). Returns how many (row,
+// column) pairs went through the exact stage, or -1, out unset, where the full path should run instead: a row that
+// cannot be screened (non-finite or denormal x, a possible overflow), or rows keeping more than max_kept pairs in
+// all (a row of zeros keeps every column: the caller's cap, past which its full path is the cheaper one).
+int64_t argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& sum128,
+                      const at::Tensor& info, const at::Tensor& pairs, const at::Tensor& ws, int64_t dot,
+                      int64_t max_kept, at::Tensor out) {
   TORCH_CHECK(kScreen, "argmax_screen needs AVX512-VNNI and AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
               "x: bfloat16 [M, K] with M >= 1 rows");
@@ -323,16 +331,21 @@ bool argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q
     for (int64_t m = m0; m < m1; ++m)
       if (!prepare_row(r, m, X + m * x.stride(0), pairs.data_ptr<int32_t>(), max_w_norm)) ok = false;
   });
-  if (!ok) return false;
+  if (!ok) return -1;
   const int64_t T = at::get_num_threads(), items = (N / 16 + 1) / 2;
   std::vector<float> lo_max(static_cast<size_t>(T * M * 16), -std::numeric_limits<float>::infinity());
   std::vector<float> item_hi(static_cast<size_t>(M * items));
   std::unique_ptr<uint16_t[]> col_hi(new uint16_t[items * M * 32]);  // written in full by the screen
   screen(Screen{&r, q.data_ptr<int8_t>(), sum128.data_ptr<int32_t>(), I,
                 N, K, ws.data_ptr<int32_t>(), lo_max.data(), item_hi.data(), col_hi.get(), items});
-  // The columns each row keeps: A + E >= L - (one bf16 ulp at the largest magnitude a kept logit can have; frexp:
-  // mag = f 2^e, f in [0.5, 1), so that ulp is 2^(e - 8)). Their weights go into panels of 16 columns in
-  // fma_linear's packed order (zero past the last), whose sums fma_linear_panel_sums gives with fma_linear's bits.
+  // The columns each row keeps: A + E >= L - ulp - 2 tau, with
+  //   - ulp: one bf16 ulp at the largest magnitude a kept logit can have (frexp: mag = f 2^e, f in [0.5, 1), so
+  //     that ulp is 2^(e - 8)), as two sums that round to one bf16 value lie within one ulp of each other;
+  //   - tau: the flush to zero of results below 2^-126 (VDPBF16PS's; the inputs hold no denormals), at most 2^-125
+  //     a dot product in the exact kernel's K / 2 and the pairs' P, absolute, so no relative slack covers it.
+  // Their weights go into panels of 16 columns in fma_linear's packed order (zero past the last), whose sums
+  // fma_linear_panel_sums gives with fma_linear's bits.
+  const double tau = std::ldexp(static_cast<double>(K + 2 * P + 16), -125);
   std::vector<std::vector<int64_t>> cols(static_cast<size_t>(M));
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -341,9 +354,9 @@ bool argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q
         for (int l = 0; l < 16; ++l) L = std::max(L, lo_max[(t * M + m) * 16 + l]);
       for (int64_t u = 0; u < items; ++u) H = std::max(H, item_hi[m * items + u]);
       int e = 0;
-      std::frexp(std::max(std::fabs(static_cast<double>(L)), std::fabs(static_cast<double>(H))) * (1.0 + 1.0 / 256),
-                 &e);
-      const double thr = static_cast<double>(L) - std::ldexp(1.0, e - 8) * (1 + kBoundSlack);
+      std::frexp((std::max(std::fabs(static_cast<double>(L)), std::fabs(static_cast<double>(H))) + tau) *
+                     (1.0 + 1.0 / 256), &e);
+      const double thr = static_cast<double>(L) - std::ldexp(1.0, e - 8) * (1 + kBoundSlack) - 2 * tau;
       for (int64_t u = 0; u < items; ++u)
         if (static_cast<double>(item_hi[m * items + u]) >= thr)
           for (int64_t v = 32 * u; v < std::min(32 * u + 32, N); ++v)
@@ -351,48 +364,55 @@ bool argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q
               cols[m].push_back(v);
     }
   });
-  // A row always keeps its answer (the bound holds); should one keep nothing, the call still ends cleanly: false,
-  // and the caller's full path.
-  for (int64_t m = 0; m < M; ++m)
-    if (cols[m].empty()) return false;
+  // A row always keeps its answer (the bound holds); should one keep nothing, the call still ends cleanly.
+  int64_t kept = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    if (cols[m].empty()) return -1;
+    kept += static_cast<int64_t>(cols[m].size());
+  }
+  if (kept > max_kept) return -1;
   std::vector<int64_t> job_row, job_first;  // a job: 16 of a row's columns from its list, from job_first
   for (int64_t m = 0; m < M; ++m)
     for (size_t i = 0; i < cols[m].size(); i += 16) job_row.push_back(m), job_first.push_back(static_cast<int64_t>(i));
-  const int64_t n = static_cast<int64_t>(job_row.size()), panel = K / 32 * 512;
-  std::unique_ptr<uint16_t[]> panels(new uint16_t[n * panel]);  // each written in full below
-  std::vector<const uint16_t*> panel_at(static_cast<size_t>(n));
-  const uint32_t* W = reinterpret_cast<const uint32_t*>(w.data_ptr());  // [N][K/2] bf16 pairs
-  at::parallel_for(0, n, 4, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(panels.get() + j * panel);  // [K/2 pairs][16 columns]
-      const auto& c = cols[job_row[j]];
-      const int64_t first = job_first[j], cnt = std::min<int64_t>(16, static_cast<int64_t>(c.size()) - first);
-      for (int64_t l = 0; l < 16; ++l) {
-        const uint32_t* src = W + (l < cnt ? c[first + l] : 0) * (K / 2);
-        for (int64_t t = 0; t < K / 2; ++t) dst[t * 16 + l] = l < cnt ? src[t] : 0u;
-      }
-      panel_at[j] = panels.get() + j * panel;
-    }
-  });
-  std::vector<float> sums(static_cast<size_t>(n * 16));
-  fma_linear_panel_sums(X, x.stride(0), M, K, dot, job_row.data(), panel_at.data(), n, sums.data());
-  // each row's first largest bf16 value (its columns in order)
+  // each row's first largest bf16 value, its columns in order (a row's jobs come in order, chunk after chunk)
   int64_t* o = out.data_ptr<int64_t>();
   std::fill(o, o + M, int64_t{-1});
   std::vector<float> best(static_cast<size_t>(M));
-  for (int64_t j = 0; j < n; ++j) {
-    alignas(32) uint16_t h[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(h), cvt_bf16(_mm512_loadu_ps(sums.data() + 16 * j)));
-    const int64_t m = job_row[j];
-    const auto& c = cols[m];
-    for (int64_t l = 0; l < std::min<int64_t>(16, static_cast<int64_t>(c.size()) - job_first[j]); ++l) {
-      const float v = to_float(c10::BFloat16(h[l], c10::BFloat16::from_bits()));
-      if (o[m] < 0 || v > best[m]) best[m] = v, o[m] = c[job_first[j] + l];
+  const int64_t n = static_cast<int64_t>(job_row.size()), panel = K / 32 * 512;
+  const uint32_t* W = reinterpret_cast<const uint32_t*>(w.data_ptr());  // [N][K/2] bf16 pairs
+  std::unique_ptr<uint16_t[]> panels(new uint16_t[std::min(n, kJobChunk) * panel]);  // written in full before use
+  std::vector<const uint16_t*> panel_at(static_cast<size_t>(kJobChunk));
+  std::vector<float> sums(static_cast<size_t>(kJobChunk * 16));
+  for (int64_t c0 = 0; c0 < n; c0 += kJobChunk) {
+    const int64_t cn = std::min(kJobChunk, n - c0);
+    at::parallel_for(0, cn, 4, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(panels.get() + j * panel);  // [K/2 pairs][16 columns]
+        const auto& c = cols[job_row[c0 + j]];
+        const int64_t first = job_first[c0 + j], cnt = std::min<int64_t>(16, static_cast<int64_t>(c.size()) - first);
+        for (int64_t l = 0; l < 16; ++l) {
+          const uint32_t* src = W + (l < cnt ? c[first + l] : 0) * (K / 2);
+          for (int64_t t = 0; t < K / 2; ++t) dst[t * 16 + l] = l < cnt ? src[t] : 0u;
+        }
+        panel_at[j] = panels.get() + j * panel;
+      }
+    });
+    fma_linear_panel_sums(X, x.stride(0), M, K, dot, job_row.data() + c0, panel_at.data(), cn, sums.data());
+    for (int64_t j = 0; j < cn; ++j) {
+      alignas(32) uint16_t h[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h), cvt_bf16(_mm512_loadu_ps(sums.data() + 16 * j)));
+      const int64_t m = job_row[c0 + j];
+      const auto& c = cols[m];
+      const int64_t first = job_first[c0 + j];
+      for (int64_t l = 0; l < std::min<int64_t>(16, static_cast<int64_t>(c.size()) - first); ++l) {
+        const float v = to_float(c10::BFloat16(h[l], c10::BFloat16::from_bits()));
+        if (o[m] < 0 || v > best[m]) best[m] = v, o[m] = c[first + l];
+      }
     }
   }
-  return true;
+  return kept;
 #else
-  return false;
+  return -1;
 #endif
 }
 
@@ -401,6 +421,6 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("argmax_screen_pack(Tensor w) -> (Tensor, Tensor, Tensor)");
   m.impl("argmax_screen_pack", c10::DispatchKey::CPU, &argmax_screen_pack);
   m.def("argmax_screen(Tensor x, Tensor w, Tensor q, Tensor sum128, Tensor info, Tensor pairs, Tensor ws, int dot, "
-        "Tensor(a!) out) -> bool");
+        "int max_kept, Tensor(a!) out) -> int");
   m.impl("argmax_screen", c10::DispatchKey::CPU, &argmax_screen);
 }

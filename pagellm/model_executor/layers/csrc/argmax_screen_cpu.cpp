@@ -15,7 +15,8 @@
 //   - A_v = s_x s_w (q_x . q_w) + (the pairs' sum), q_x . q_w = sum (q_x + 128) q_w - 128 sum q_w exact in int32.
 // The exact dot x . w_v differs from A_v by s_w (q_w . r_x) + r_w . x_in plus rounding, so by Cauchy-Schwarz
 //   |x . w_v - A_v| <= s_w |q_w| |r_x| + |r_w| |x_in| + slack = E_v,
-// the slack covering the fp32 rounding of A_v and of the exact kernel's own sums (prepare_row). Then with
+// the slack covering the fp32 rounding of A_v and of the exact kernel's own sums (prepare_row; VDPBF16PS's flush of
+// results below 2^-126, an absolute error, moves the threshold below). Then with
 // L = max_v (A_v - E_v) the largest exact sum is >= L, and a column whose bf16 logit could equal the largest bf16
 // logit has an exact sum >= L - ulp (two sums that round to one bf16 value lie within one ulp of it; the ulp at
 // the largest magnitude a kept logit can have): only columns with A_v + E_v >= that can be the answer
@@ -56,7 +57,7 @@ constexpr bool kScreen = false;
 #endif
 
 constexpr int64_t kMaxPairs = 32;  // exact pairs of x's dims at most
-constexpr int kMR = 12;       // rows per micro-block: 12 x 2 int32 accumulators
+constexpr int kMR = 12;            // rows per micro-block: 12 x 2 int32 accumulators
 // Rounding slack, relative, of the bound's own fp32 arithmetic.
 constexpr double kBoundSlack = 1.0 / 1024;
 // The exact stage's panels are built and summed this many jobs (16 columns each) at a time (~9 MB at K = 576).

@@ -281,6 +281,8 @@ void run(const Gemm& g) {
     if (g.dot) return run<Sums::kDot>(g);
   run<Sums::kFp32>(g);
 }
+
+// fma_linear_panel_sums: g's rows converted as run() converts them, then the jobs kJobs at a time (job_sums).
 template <Sums S>
 void panel_sums(const Gemm& g, const int64_t* rows, const uint16_t* const* panels, int64_t n, float* out) {
   // every row converted once, micro-block by micro-block of kMR rows as run() does

@@ -1,5 +1,6 @@
-"""The greedy LM head's int8 screen (csrc/argmax_screen_cpu.cpp, CPULinear.argmax): each row's index of the largest
-bf16 output of the FMA kernel, the first on ties, exactly as its logits then torch.argmax give it. The screen rules
+"""The greedy LM head's int8 screens (csrc/argmax_screen_cpu.cpp and argmax_screen_amx.cpp, CPULinear.argmax): each
+row's index of the largest bf16 output of the tile kernel they stand in for (FMA, with or without dot products, or
+AMX), the first on ties, exactly as its logits then torch.argmax give it. The screen rules
 a column out only where a bound that holds for any weights, rows and choice of exact pairs says it cannot be that
 index; these tests hold it to the full path on planted outliers, ties, magnitudes far from 1 and random cases."""
 from __future__ import annotations
@@ -16,16 +17,23 @@ ops = load_extension()
 needs_screen = pytest.mark.skipif(ops is None or not ops.argmax_screen_supported(),
                                   reason="CPU without AVX512-VNNI and AVX512-BF16")
 DOTS = [0, 1] if ops is not None and ops.fma_linear_dot_supported() else [0]
+# the screens: the FMA kernel's without (0) and with (1) dot products, and AMX's where the CPU has AMX-INT8
+AMX = ops is not None and ops.argmax_screen_amx_supported()
+MODES = DOTS + (["amx"] if AMX else [])
 
 
-def full_path(x: torch.Tensor, w: torch.Tensor, dot: int) -> torch.Tensor:
-    """The FMA kernel's bf16 logits, then torch.argmax (the first of equal largest values)."""
+def full_path(x: torch.Tensor, w: torch.Tensor, dot: int | str) -> torch.Tensor:
+    """The tile kernel's bf16 logits (FMA with dot products or not, or "amx"), then torch.argmax (the first of
+    equal largest values)."""
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    ops.fma_linear(x, pack_amx(w), None, out, 1.0, dot)
+    if dot == "amx":
+        ops.amx_linear(x, pack_amx(w), None, out)
+    else:
+        ops.fma_linear(x, pack_amx(w), None, out, 1.0, dot)
     return out.float().argmax(dim=1)
 
 
-def screen(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int, max_kept: int | None = None):
+def screen(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int | str, max_kept: int | None = None):
     """(indices, how many (row, column) pairs the exact stage took; -1: left to the full path). No cap on the
     columns kept unless asked for: these tests hold the screen's answers, however many columns it keeps."""
     q, sum128, info = ops.argmax_screen_pack(w)
@@ -34,10 +42,12 @@ def screen(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int, max_kep
     ws = w.view(torch.int32)[:, p.long()].reshape(n // 16, 16, len(pairs)).permute(0, 2, 1).contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     cap = x.shape[0] * n if max_kept is None else max_kept
+    if dot == "amx":
+        return out, ops.argmax_screen_amx(x, pack_amx(w), q, sum128, info, p, ws, cap, out)
     return out, ops.argmax_screen(x, w, q, sum128, info, p, ws, dot, cap, out)
 
 
-def screened(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int) -> torch.Tensor | None:
+def screened(x: torch.Tensor, w: torch.Tensor, pairs: list[int], dot: int | str) -> torch.Tensor | None:
     out, kept = screen(x, w, pairs, dot)
     return out if kept >= 0 else None
 
@@ -51,7 +61,7 @@ def outlier_rows(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @needs_screen
-@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dot", MODES)
 @pytest.mark.parametrize("rows,n,k", [(1, 528, 64), (13, 1024, 576), (64, 4096, 576), (100, 2048, 128)])
 @pytest.mark.parametrize("choice", ["outliers", "none", "others"])
 def test_the_same_index_as_the_full_path(rows, n, k, choice, dot):
@@ -64,7 +74,7 @@ def test_the_same_index_as_the_full_path(rows, n, k, choice, dot):
 
 
 @needs_screen
-@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dot", MODES)
 def test_ties_go_to_the_first_index(dot):
     # 16 distinct columns repeated over 1,024: every row's largest value is reached by 64 columns, and the first of
     # them is the answer; then the answer's later copies each one bf16 step apart in one weight (near-ties)
@@ -83,7 +93,7 @@ def test_ties_go_to_the_first_index(dot):
 
 
 @needs_screen
-@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dot", MODES)
 def test_negative_logits_and_far_magnitudes(dot):
     x = outlier_rows(6, 576, seed=5).float()
     x[1] *= 1e-30
@@ -98,11 +108,11 @@ def test_negative_logits_and_far_magnitudes(dot):
 
 
 @needs_screen
-@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dot", MODES)
 @pytest.mark.parametrize("k", [64, 32768])
 def test_products_below_the_smallest_normal(dot, k):
-    # every product 2^-128 (column 1) against zeros (column 0): VDPBF16PS flushes such sums to zero, so on the dot
-    # path both logits are 0 and the answer is 0, while the int8 screen sees column 1 at ~K 2^-128 above column 0;
+    # every product 2^-128 (column 1) against zeros (column 0): VDPBF16PS and AMX flush such sums to zero, so on
+    # the dot and AMX paths both logits are 0 and the answer is 0, while the int8 screen sees column 1 at ~K 2^-128 above column 0;
     # the FMA path keeps the denormal sums (column 1). Either way the screen answers as the full path does.
     w = torch.zeros(16, k, dtype=torch.bfloat16)
     w[1] = 2.0 ** -25
@@ -113,27 +123,29 @@ def test_products_below_the_smallest_normal(dot, k):
 
 
 @needs_screen
-def test_rows_it_leaves_to_the_full_path():
+@pytest.mark.parametrize("mode", [DOTS[-1]] + (["amx"] if AMX else []))
+def test_rows_it_leaves_to_the_full_path(mode):
     # a row of zeros keeps every column (all logits equal, index 0); past the caller's cap: -1, out unset
     w = (torch.randn(512, 576) * 0.05).bfloat16()
     x = outlier_rows(4, 576, seed=9)
     x[0] = 0.0
-    out, kept = screen(x, w, [1], DOTS[-1])
-    assert kept >= 512 and out[0] == 0 and torch.equal(out, full_path(x, w, DOTS[-1]))
-    assert screen(x, w, [1], DOTS[-1], max_kept=kept - 1)[1] == -1
-    assert screen(x, w, [1], DOTS[-1], max_kept=kept)[1] == kept
+    out, kept = screen(x, w, [1], mode)
+    assert kept >= 512 and out[0] == 0 and torch.equal(out, full_path(x, w, mode))
+    assert screen(x, w, [1], mode, max_kept=kept - 1)[1] == -1
+    assert screen(x, w, [1], mode, max_kept=kept)[1] == kept
 
 
 @needs_screen
 def test_what_it_cannot_screen_is_left_to_the_full_path():
     w = torch.randn(64, 64).bfloat16()
     x = torch.randn(3, 64).bfloat16()
-    x[1, 5] = float("nan")
-    assert screened(x, w, [0], 1) is None
-    x[1, 5] = float("inf")
-    assert screened(x, w, [0], 1) is None
-    x[1, 5] = 1e-39  # a bf16 denormal: VDPBF16PS would read it as zero
-    assert screened(x, w, [0], 1) is None
+    for mode in MODES:
+        x[1, 5] = float("nan")
+        assert screened(x, w, [0], mode) is None
+        x[1, 5] = float("inf")
+        assert screened(x, w, [0], mode) is None
+        x[1, 5] = 1e-39  # a bf16 denormal: VDPBF16PS and the tiles would read it as zero
+        assert screened(x, w, [0], mode) is None
     bad = w.clone()
     bad[3, 3] = float("inf")
     assert ops.argmax_screen_pack(bad)[0].numel() == 0
@@ -146,13 +158,18 @@ def test_what_it_cannot_screen_is_left_to_the_full_path():
         ws = torch.zeros(4, len(pairs), 16, dtype=torch.int32)
         with pytest.raises(RuntimeError, match="pairs: distinct pair indices below K / 2"):
             ops.argmax_screen(torch.randn(2, 64).bfloat16(), w, q, sum128, info, p, ws, 1, 128, out)
+    if AMX:  # AMX takes the pairs as one 32-deep tile step: at most 16
+        p = torch.arange(17, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="at most 16 exact pairs"):
+            ops.argmax_screen_amx(torch.randn(2, 64).bfloat16(), pack_amx(w), q, sum128, info, p,
+                                  torch.zeros(4, 17, 16, dtype=torch.int32), 128, out)
 
 
 @needs_screen
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 20), n16=st.integers(1, 12), k32=st.integers(1, 4), levels=st.sampled_from([3, 9, 255]),
        x_exp=st.integers(-20, 20), w_exp=st.integers(-10, 10), n_pairs=st.integers(0, 8), seed=st.integers(0, 2**31),
-       dot=st.sampled_from(DOTS))
+       dot=st.sampled_from(MODES))
 def test_random_cases(rows, n16, k32, levels, x_exp, w_exp, n_pairs, seed, dot):
     # weights on a few levels make exact and near ties common; magnitudes from 2^-20 to 2^20
     g = torch.Generator().manual_seed(seed)
@@ -167,10 +184,10 @@ def test_random_cases(rows, n16, k32, levels, x_exp, w_exp, n_pairs, seed, dot):
 
 
 @needs_screen
-def test_the_head_takes_it_where_the_fma_kernel_runs():
+def test_the_head_takes_it_where_its_tile_kernel_runs():
     kernels = cpu_kernels(ops, torch.bfloat16)
-    if kernels is None or kernels.fma is None or kernels.fma_fp16:
-        pytest.skip("the LM head runs another kernel here (AMX's argmax, or fp16 sums)")
+    if kernels is None or kernels.screen_pack is None or (kernels.fma is not None and kernels.fma_fp16):
+        pytest.skip("the LM head runs another kernel here (fp16 sums, or no screen for this CPU)")
     w = (torch.randn(1024, 576) * 0.05).bfloat16()
     head = CPULinear(w, None, kernels)
     assert head.enable_argmax_screen() and head.screen_pairs is None
@@ -188,8 +205,9 @@ def test_the_head_takes_it_where_the_fma_kernel_runs():
 
 
 @needs_screen
+@pytest.mark.parametrize("mode", [DOTS[-1]] + (["amx"] if AMX else []))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_it_keeps_few_columns(threads):
+def test_it_keeps_few_columns(threads, mode):
     # rows with one clear winner each (as a trained model's are, mostly): the exact stage sees a few columns a row,
     # whatever the thread count and with rows strided in a wider buffer
     g = torch.Generator().manual_seed(10)
@@ -203,8 +221,8 @@ def test_it_keeps_few_columns(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got, kept = screen(x, w, [8, 99, 185], 1 if 1 in DOTS else 0)
+        got, kept = screen(x, w, [8, 99, 185], mode)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got, full_path(x.contiguous(), w, 1 if 1 in DOTS else 0)) and torch.equal(got, target)
+    assert torch.equal(got, full_path(x.contiguous(), w, mode)) and torch.equal(got, target)
     assert 40 <= kept <= 40 * 20

@@ -102,6 +102,7 @@ class CPUKernels:
     # torch.ops.pagellm.argmax_screen / argmax_screen_pack (with fma, AVX512-VNNI and -BF16): greedy LM heads
     screen_argmax: Callable | None = None
     screen_pack: Callable | None = None
+    screen_amx: Callable | None = None  # torch.ops.pagellm.argmax_screen_amx (with amx and AMX-INT8): the same
 
     @property
     def name(self) -> str:
@@ -183,16 +184,19 @@ class CPULinear(nn.Module):
         self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enable_argmax_screen(self) -> bool:
-        """Lets argmax take the int8 screen (csrc/argmax_screen_cpu.cpp: the same index as the FMA kernel's
-        logits' argmax, from an int8 pass at twice the bf16 dot product's rate and the exact sums of the few
-        columns it cannot rule out), where the FMA kernel computes this layer's outputs in bf16 (not its fp16
-        form) and the kernel exists; one int8 copy of the weight (N x K bytes) more. Returns whether it will."""
+        """Lets argmax take the int8 screen (csrc/argmax_screen_cpu.cpp, argmax_screen_amx.cpp: the same index as
+        the tile kernel's logits' argmax, from an int8 pass at twice the bf16 rate and the exact sums of the few
+        columns it cannot rule out), where the tile kernel computes this layer's outputs in bf16 (AMX, or FMA
+        not in its fp16 form) and a screen exists for it; one int8 copy of the weight (N x K bytes) more.
+        Returns whether it will."""
         n, k = self.weight.shape
-        if (self.kernels.screen_argmax is None or self.fma is None or self.kernels.fma_fp16 or self.bias is not None
-                or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous() or n % 16 or k % 32
-                or k > SCREEN_MAX_K):
+        k_ = self.kernels
+        fits = ((self.amx is not None and k_.screen_amx is not None and k_.amx_argmax is not None)
+                or (self.fma is not None and k_.screen_argmax is not None and not k_.fma_fp16))
+        if (not fits or self.bias is not None or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous()
+                or n % 16 or k % 32 or k > SCREEN_MAX_K):
             return False
-        q, sum128, info = self.kernels.screen_pack(self.weight.detach())
+        q, sum128, info = k_.screen_pack(self.weight.detach())
         if not q.numel():  # a weight that is not finite, or holds a denormal
             return False
         self.screen = (q, sum128, info)
@@ -241,16 +245,19 @@ class CPULinear(nn.Module):
                 or (self.gguf is not None and rows <= GEMV_MAX_ROWS)):
             return None
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
-        if self.kernels.amx_argmax is not None and self.amx is not None:
-            self.kernels.amx_argmax(x, self.amx_weight, self.weight.shape[0], out)
-            return out
         if self.screen is not None:
             pairs, ws = self._exact_pairs(x)
             # past an eighth of the columns kept (a row of zeros keeps them all) the full path is the cheaper one
             max_kept = rows * self.weight.shape[0] // 8
-            if self.kernels.screen_argmax(x, self.weight, *self.screen, pairs, ws, int(self.kernels.fma_dot), max_kept,
-                                          out) >= 0:
+            kept = (self.kernels.screen_amx(x, self.amx_weight, *self.screen, pairs, ws, max_kept, out)
+                    if self.amx is not None else
+                    self.kernels.screen_argmax(x, self.weight, *self.screen, pairs, ws, int(self.kernels.fma_dot),
+                                               max_kept, out))
+            if kept >= 0:
                 return out
+        if self.kernels.amx_argmax is not None and self.amx is not None:
+            self.kernels.amx_argmax(x, self.amx_weight, self.weight.shape[0], out)
+            return out
         return None
 
     def _exact_pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +309,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = None
+    amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
@@ -310,6 +317,8 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
                 amx_argmax = ops.amx_linear_argmax.default
+                if ops.argmax_screen_amx_supported():
+                    screen_amx, screen_pack = ops.argmax_screen_amx.default, ops.argmax_screen_pack.default
             elif ops.fma_linear_supported():
                 fma, fma_silu_mul = ops.fma_linear.default, ops.fma_linear_silu_mul.default
                 fma_fp16 = reduced_precision_reduction and ops.fma_linear_fp16_supported()
@@ -322,7 +331,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack)
+                         screen, screen_pack, screen_amx)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -21,7 +21,10 @@
 // logit has an exact sum >= L - ulp (two sums that round to one bf16 value lie within one ulp of it; the ulp at
 // the largest magnitude a kept logit can have): only columns with A_v + E_v >= that can be the answer
 // (torch.argmax's, the first on ties). Their weights are packed into 16-column panels, whose sums
-// fma_linear_panel_sums gives with fma_linear's bits, and rounded to bf16 as fma_linear stores them.
+// fma_linear_panel_sums gives with fma_linear's bits, and rounded to bf16 as fma_linear stores them. The screen
+// keeps each 32-column block's largest A_v + E_v; select_columns recomputes the columns' bounds only in the blocks
+// that pass (writing every column's bound was 6.3 MB a step at 64 rows). argmax_screen_amx.cpp is the same screen
+// on AMX tiles for amx_linear's index; argmax_screen.h holds what the two share.
 //
 // SmolLM2's head on workload_64's decode rows, 16 exact pairs: E ~1.6 against logits ~34 whose spread is ~4, so a
 // row keeps ~25 of 49,152 columns on average (median 1, 99th percentile ~290). Left to the caller's full path:
@@ -42,109 +45,31 @@
 #include <utility>
 #include <vector>
 
+#include "argmax_screen.h"
 #include "ops.h"
 #include "split_work.h"
 #include "vec.h"
 
 namespace {
 using namespace pagellm;
-using bf16 = c10::BFloat16;
+using namespace pagellm::screen;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(PAGELLM_SCREEN)
 constexpr bool kScreen = true;
 #else
 constexpr bool kScreen = false;
 #endif
 
-constexpr int64_t kMaxPairs = 32;  // exact pairs of x's dims at most
-constexpr int kMR = 12;            // rows per micro-block: 12 x 2 int32 accumulators
-// Rounding slack, relative, of the bound's own fp32 arithmetic.
-constexpr double kBoundSlack = 1.0 / 1024;
+constexpr int kMR = 12;  // rows per micro-block: 12 x 2 int32 accumulators
 // The exact stage's panels are built and summed this many jobs (16 columns each) at a time (~9 MB at K = 576).
 constexpr int64_t kJobChunk = 512;
 
-// Whether a bf16 value is a denormal: VDPBF16PS reads those as zero, an error no relative bound covers (such rows
-// and weights are left to the full path).
-inline bool denormal(bf16 v) { return (v.x & 0x7f80) == 0 && (v.x & 0x7f) != 0; }
-
-// A float not below the double d (norms are summed in double, then rounded up).
-inline float up(double d) { return std::nextafter(static_cast<float>(d), std::numeric_limits<float>::infinity()); }
-
-// Per column of the packed int8 weight: s_w, s_w |q_w| (rounded up), |r_w|, |w| (both rounded up).
-enum Info { kScale, kScaledQNorm, kResidualNorm, kNorm, kInfoRows };
-
-// One call's rows: x_in's u8 quads per micro-block [K/4][kMR], each row's scale and bound factors, its exact pairs.
-struct Rows {
-  int64_t M, K;
-  std::vector<int32_t> quads;
-  // s_x, and the bound's factors (rounded up): |r_x| and |x_in| times (1 + kBoundSlack), gx (slack, see prepare_row)
-  std::vector<float> sx, rho, xin, gx;
-  int64_t P;                            // exact pairs
-  std::vector<int32_t> pair_word;       // [M][P]: x's bf16 pair at each exact pair
-  int64_t blocks() const { return (M + kMR - 1) / kMR; }
-  int64_t block_start(int64_t b) const { return M * b / blocks(); }
-};
-
-// Fills row m of r from x (bf16 [K]) and the exact pairs; false if x is not finite, holds a denormal, or is large
-// enough that a logit could overflow.
-bool prepare_row(Rows& r, int64_t m, const bf16* x, const int32_t* pairs, float max_w_norm) {
-  const int64_t K = r.K;
-  std::vector<float> v(K), a(K);
-  double xn = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    v[k] = static_cast<float>(x[k]), a[k] = std::fabs(v[k]);
-    if (!std::isfinite(v[k]) || denormal(x[k])) return false;
-    xn += static_cast<double>(v[k]) * v[k];
-  }
-  if (std::sqrt(xn) * max_w_norm > 1e30) return false;
-  for (int64_t j = 0; j < r.P; ++j) {  // the exact pairs, out of x_in
-    const int64_t i = 2 * static_cast<int64_t>(pairs[j]);
-    r.pair_word[m * r.P + j] = static_cast<int32_t>(x[i].x | (static_cast<uint32_t>(x[i + 1].x) << 16));
-    a[i] = a[i + 1] = 0.f, v[i] = v[i + 1] = 0.f;
-  }
-  const float top = *std::max_element(a.begin(), a.end());
-  const float sx = top > 0.f ? top / 127.f : 1.f;
-  double rho = 0, xin = 0;
-  int64_t blk = 0;  // the row's micro-block and lane in it
-  while (r.block_start(blk + 1) <= m) ++blk;
-  const int64_t lane = m - r.block_start(blk);
-  uint8_t* q8 = reinterpret_cast<uint8_t*>(r.quads.data() + blk * (K / 4) * kMR);
-  for (int64_t k = 0; k < K; ++k) {
-    const float q = std::clamp(std::nearbyint(v[k] / sx), -127.f, 127.f);
-    const double res = static_cast<double>(v[k]) - static_cast<double>(sx) * q;
-    rho += res * res, xin += static_cast<double>(v[k]) * v[k];
-    q8[((k / 4) * kMR + lane) * 4 + k % 4] = static_cast<uint8_t>(static_cast<int>(q) + 128);
-  }
-  // gx |w_v| covers the rounding: the exact kernel's K roundings and the pairs' at most 2P <= K, each of at most
-  // 2^-24 sum |w_vi x_i| <= 2^-24 |w_v| |x| (2 (K + 8) of them), and 2^-20 |A_v| for A_v's own arithmetic and the
-  // bound's subtraction (|A_v| <= |w_v||x| + E_v, E_v <= 3 |w_v||x| as |r| <= |w| elementwise: under 2^-17 |w_v||x|)
-  const double slack = 1 + kBoundSlack;
-  r.sx[m] = sx, r.rho[m] = up(std::sqrt(rho) * slack), r.xin[m] = up(std::sqrt(xin) * slack);
-  r.gx[m] = up(std::sqrt(xn) * (2.0 * (K + 8) * std::ldexp(1.0, -24) + std::ldexp(1.0, -17)));
-  return true;
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(PAGELLM_SCREEN)
 struct Screen {
   const Rows* rows;
-  const int8_t* q;         // [N/16][K/4][16][4]
-  const int32_t* sum128;   // [N]: 128 sum_k q_w
-  const float* info;       // [kInfoRows][N]
   int64_t N, K;
-  const int32_t* ws;       // [N/16][P][16]: the weights' bf16 pairs at the exact pairs
-  float* lo_max;           // [T][M][16]: each thread's running max of A - E per row and lane
-  float* item_hi;          // [M][items]: each 32-column block's largest A + E
-  uint16_t* col_hi;        // [items][M][32]: A + E of each column, as bf16 rounded up (one block's rows together)
-  int64_t items;
+  Bounds b;  // with the int8 panels q and the pairs' weights ws
 };
-
-// bf16 bits of v rounded towards +inf (v finite): a positive value's bits up to the next bf16, a negative's cut.
-inline __m256i bf16_up(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __mmask16 neg = _mm512_movepi32_mask(bits);
-  const __m512i up = _mm512_mask_mov_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0xffff)), neg, bits);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16));
-}
 
 // Rows [r0, r0 + R) of micro-block blk against 32-column block u (panels 2u, 2u + 1; np of them).
 // next: the int8 panels of the block this thread runs next (or null), brought into L2 during the first rows' loop
@@ -152,10 +77,10 @@ inline __m256i bf16_up(__m512 v) {
 template <int R>
 void screen_block(const Screen& s, int64_t blk, int64_t r0, int64_t u, int np, float* lo_max, const char* next) {
   const Rows& rw = *s.rows;
-  const int64_t K4 = s.K / 4;
+  const int64_t K4 = s.K / 4, Kq4 = rw.Kq / 4;  // q's panels are Kq deep, the quads past K zero
   const int32_t* xq = rw.quads.data() + blk * K4 * kMR;
-  const int8_t* w0 = s.q + (2 * u) * K4 * 64;
-  const int8_t* w1 = np == 2 ? w0 + K4 * 64 : w0;
+  const int8_t* w0 = s.b.q + (2 * u) * Kq4 * 64;
+  const int8_t* w1 = np == 2 ? w0 + Kq4 * 64 : w0;
   __m512i acc[R][2];
   PAGELLM_UNROLL for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < K4; ++k) {
@@ -176,7 +101,7 @@ void screen_block(const Screen& s, int64_t blk, int64_t r0, int64_t u, int np, f
   for (int p = 0; p < np; ++p) {
     const int64_t c0 = (2 * u + p) * 16;
     // the exact pairs' sums, the rows side by side (a row's in one chain would wait on each dot product)
-    const int32_t* wb = s.ws + (2 * u + p) * rw.P * 16;
+    const int32_t* wb = s.b.ws + (2 * u + p) * rw.P * 16;
     __m512 out[R];
     PAGELLM_UNROLL for (int m = 0; m < R; ++m) out[m] = _mm512_setzero_ps();
     for (int64_t j = 0; j < rw.P; ++j) {
@@ -184,24 +109,15 @@ void screen_block(const Screen& s, int64_t blk, int64_t r0, int64_t u, int np, f
       PAGELLM_UNROLL for (int m = 0; m < R; ++m)
         out[m] = _mm512_dpbf16_ps(out[m], (__m512bh)_mm512_set1_epi32(rw.pair_word[(r0 + m) * rw.P + j]), (__m512bh)w);
     }
-    const __m512i s128 = _mm512_loadu_si512(s.sum128 + c0);
-    auto column = [&](Info i) { return _mm512_loadu_ps(s.info + i * s.N + c0); };
-    const __m512 sw = column(kScale), c1 = column(kScaledQNorm), nr = column(kResidualNorm), nw = column(kNorm);
+    const ColumnFactors f = column_factors(s.b, c0);
     PAGELLM_UNROLL for (int m = 0; m < R; ++m) {
-      const int64_t row = r0 + m;
-      const __m512i d = _mm512_sub_epi32(_mm512_load_si512(res[m][p]), s128);
-      const __m512 A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(rw.sx[row]), sw), out[m]);
-      // E = s_w |q_w| rho' + |r_w| xin' + |w| gx (the row's factors, prepare_row)
-      const __m512 E = _mm512_fmadd_ps(nw, _mm512_set1_ps(rw.gx[row]),
-                                       _mm512_fmadd_ps(c1, _mm512_set1_ps(rw.rho[row]),
-                                                       _mm512_mul_ps(nr, _mm512_set1_ps(rw.xin[row]))));
-      _mm512_storeu_ps(lo_max + row * 16, _mm512_max_ps(_mm512_loadu_ps(lo_max + row * 16), _mm512_sub_ps(A, E)));
-      const __m512 h = _mm512_add_ps(A, E);
-      hi[m] = _mm512_max_ps(hi[m], h);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.col_hi + (u * rw.M + row) * 32 + 16 * p), bf16_up(h));
+      const LaneBounds lb = bound_lanes(f, rw, r0 + m, _mm512_load_si512(res[m][p]), out[m]);
+      float* lo = lo_max + (r0 + m) * 16;
+      _mm512_storeu_ps(lo, _mm512_max_ps(_mm512_loadu_ps(lo), lb.lo));
+      hi[m] = _mm512_max_ps(hi[m], lb.hi);
     }
   }
-  PAGELLM_UNROLL for (int m = 0; m < R; ++m) s.item_hi[(r0 + m) * s.items + u] = _mm512_reduce_max_ps(hi[m]);
+  PAGELLM_UNROLL for (int m = 0; m < R; ++m) s.b.item_hi[(r0 + m) * s.b.items + u] = _mm512_reduce_max_ps(hi[m]);
 }
 
 template <int... Rs>
@@ -210,16 +126,16 @@ void screen_rows(int rows, const Screen& s, int64_t blk, int64_t r0, int64_t u, 
   ((rows == Rs + 1 ? screen_block<Rs + 1>(s, blk, r0, u, np, lo_max, next) : void()), ...);
 }
 
-void screen(const Screen& s) {
+void run_screen(const Screen& s) {
   const Rows& rw = *s.rows;
-  claim_from_both_ends(s.items, 2, [&](int64_t lo, int64_t hi, bool ascending) {
-    float* lo_max = s.lo_max + at::get_thread_num() * rw.M * 16;
+  claim_from_both_ends(s.b.items, 2, [&](int64_t lo, int64_t hi, bool ascending) {
+    float* lo_max = s.b.lo_max + at::get_thread_num() * rw.M * 16;
     for (int64_t k = 0; k < hi - lo; ++k) {
       const int64_t u = ascending ? lo + k : hi - 1 - k, u_next = ascending ? u + 1 : u - 1;
       const int np = 2 * u + 1 < s.N / 16 ? 2 : 1;
       // the neighbour in this thread's direction: next in this claim, or most likely its next claim's first
       const char* next = u_next >= 0 && 2 * u_next + 1 < s.N / 16
-                             ? reinterpret_cast<const char*>(s.q + 2 * u_next * (s.K / 4) * 64) : nullptr;
+                             ? reinterpret_cast<const char*>(s.b.q + 2 * u_next * (rw.Kq / 4) * 64) : nullptr;
       for (int64_t b = 0; b < rw.blocks(); ++b) {
         const int64_t r0 = rw.block_start(b);
         screen_rows(static_cast<int>(rw.block_start(b + 1) - r0), s, b, r0, u, np, lo_max, b == 0 ? next : nullptr,
@@ -234,15 +150,104 @@ void screen(const Screen& s) {
 
 bool argmax_screen_supported() { return kScreen; }
 
-// w [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> (q int8 [N/16, K/4, 16, 4], sum128 int32 [N], info float [4, N]):
-// the screen's per-column int8 copy (see the file comment); three empty tensors where w is not finite or holds a
-// denormal.
+namespace pagellm::screen {
+
+#if defined(PAGELLM_SCREEN)
+int64_t select_columns(const Bounds& b, Rows& rw, int64_t T, int64_t max_kept, std::vector<std::vector<int64_t>>& cols) {
+  const int64_t M = rw.M, items = b.items, N = b.N, K4 = rw.K / 4, Kq4 = rw.Kq / 4, P = rw.P;
+  const double tau = std::ldexp(static_cast<double>(rw.K + 2 * P + 16), -125);
+  cols.assign(static_cast<size_t>(M), {});
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float L = -std::numeric_limits<float>::infinity(), H = L;
+      for (int64_t t = 0; t < T; ++t)
+        for (int l = 0; l < 16; ++l) L = std::max(L, b.lo_max[(t * M + m) * 16 + l]);
+      for (int64_t u = 0; u < items; ++u) H = std::max(H, b.item_hi[m * items + u]);
+      int e = 0;
+      std::frexp((std::max(std::fabs(static_cast<double>(L)), std::fabs(static_cast<double>(H))) + tau) *
+                     (1.0 + 1.0 / 256), &e);
+      const double thr = static_cast<double>(L) - std::ldexp(1.0, e - 8) * (1 + kBoundSlack) - 2 * tau;
+      const auto [xq, stride] = rw.row_quads(m);
+      for (int64_t c = 0; c < N / 16; ++c) {  // panel by panel: the 16 columns' bounds again where the block passes
+        if (static_cast<double>(b.item_hi[m * items + c / 2]) < thr) continue;
+        const int8_t* w = b.q + c * Kq4 * 64;
+        __m512i acc = _mm512_setzero_si512();
+        for (int64_t k = 0; k < K4; ++k)
+          acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(xq[k * stride]), _mm512_loadu_si512(w + k * 64));
+        __m512 pairs = _mm512_setzero_ps();
+        for (int64_t j = 0; j < P; ++j)
+          pairs = _mm512_dpbf16_ps(pairs, (__m512bh)_mm512_set1_epi32(rw.pair_word[m * P + j]),
+                                   (__m512bh)_mm512_loadu_si512(b.ws + (c * P + j) * 16));
+        alignas(64) float hi[16];
+        _mm512_store_ps(hi, bound_lanes(column_factors(b, 16 * c), rw, m, acc, pairs).hi);
+        for (int l = 0; l < 16; ++l)
+          if (static_cast<double>(hi[l]) >= thr) cols[m].push_back(16 * c + l);
+      }
+    }
+  });
+  int64_t kept = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    if (cols[m].empty()) return -1;
+    kept += static_cast<int64_t>(cols[m].size());
+  }
+  return kept > max_kept ? -1 : kept;
+}
+#endif
+
+std::pair<int64_t, int64_t> check_screen_args(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sum128,
+                                              const at::Tensor& info, const at::Tensor& pairs, const at::Tensor& ws,
+                                              const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
+              "x: bfloat16 [M, K] with M >= 1 rows");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && K > 0, "x: K (", K, ") must be a positive multiple of 32");
+  TORCH_CHECK(K <= 32768, "argmax_screen: K (", K, ") above 32,768 could overflow the int32 sums");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(1) * 4 == packed_depth(K) &&
+                  q.size(2) == 16 && q.size(3) == 4,
+              "q: int8 [N/16, K/4 rounded up to 16, 16, 4] (argmax_screen_pack)");
+  const int64_t N = q.size(0) * 16;
+  TORCH_CHECK(sum128.is_contiguous() && sum128.scalar_type() == at::kInt && sum128.numel() == N &&
+                  info.is_contiguous() && info.scalar_type() == at::kFloat && info.numel() == kInfoRows * N,
+              "sum128, info: argmax_screen_pack's");
+  const int64_t P = pairs.numel();
+  TORCH_CHECK(pairs.is_contiguous() && pairs.scalar_type() == at::kInt && P <= kMaxPairs,
+              "pairs: int32, at most ", kMaxPairs);
+  TORCH_CHECK(ws.is_contiguous() && ws.scalar_type() == at::kInt && ws.dim() == 3 && ws.size(0) * 16 == N &&
+                  ws.size(1) == P && ws.size(2) == 16, "ws: int32 [N/16, P, 16]");
+  std::vector<char> seen(static_cast<size_t>(K / 2), 0);
+  for (int64_t j = 0; j < P; ++j) {
+    const int32_t t = pairs.data_ptr<int32_t>()[j];
+    TORCH_CHECK(t >= 0 && t < K / 2 && !seen[t], "pairs: distinct pair indices below K / 2 (", K / 2, ")");
+    seen[t] = 1;
+  }
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0), "out: int64 [M]");
+  return {N, P};
+}
+
+bool prepare_rows(Rows& r, const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& info) {
+  const int64_t N = info.size(-1);
+  const float* I = info.data_ptr<float>();
+  const float max_w_norm = *std::max_element(I + kNorm * N, I + (kNorm + 1) * N);
+  std::atomic<bool> ok{true};
+  const bf16* X = x.data_ptr<bf16>();
+  at::parallel_for(0, r.M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      if (!prepare_row(r, m, X + m * x.stride(0), pairs.data_ptr<int32_t>(), max_w_norm)) ok = false;
+  });
+  return ok;
+}
+
+}  // namespace pagellm::screen
+
+// w [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> (q int8 [N/16, Kq/4, 16, 4], sum128 int32 [N], info float [4, N]): the
+// screen's per-column int8 copy (see the file comment), Kq = K rounded up to 64 (the quads past K zero); three empty
+// tensors where w is not finite or holds a denormal.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(0) % 16 == 0 &&
                   w.size(0) > 0 && w.size(1) % 32 == 0 && w.size(1) > 0,
               "argmax_screen_pack: w must be contiguous bfloat16 [N, K] with N % 16 == 0 and K % 32 == 0");
-  const int64_t N = w.size(0), K = w.size(1);
-  auto q = at::empty({N / 16, K / 4, 16, 4}, w.options().dtype(at::kChar));
+  const int64_t N = w.size(0), K = w.size(1), Kq = packed_depth(K);
+  auto q = at::zeros({N / 16, Kq / 4, 16, 4}, w.options().dtype(at::kChar));
   auto sum128 = at::empty({N}, w.options().dtype(at::kInt));
   auto info = at::empty({kInfoRows, N}, w.options().dtype(at::kFloat));
   const bf16* W = w.data_ptr<bf16>();
@@ -268,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen_pack(const at::Tens
         const double res = static_cast<double>(v) - static_cast<double>(sw) * qv;
         qn += static_cast<double>(qv) * qv, rn += res * res, wn += static_cast<double>(v) * v;
         sum += static_cast<int32_t>(qv);
-        Q[(((n / 16) * (K / 4) + k / 4) * 16 + n % 16) * 4 + k % 4] = static_cast<int8_t>(qv);
+        Q[(((n / 16) * (Kq / 4) + k / 4) * 16 + n % 16) * 4 + k % 4] = static_cast<int8_t>(qv);
       }
       S[n] = 128 * sum;
       I[kScale * N + n] = sw;
@@ -292,86 +297,25 @@ int64_t argmax_screen(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                       const at::Tensor& info, const at::Tensor& pairs, const at::Tensor& ws, int64_t dot,
                       int64_t max_kept, at::Tensor out) {
   TORCH_CHECK(kScreen, "argmax_screen needs AVX512-VNNI and AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16,
-              "x: bfloat16 [M, K] with M >= 1 rows");
+  const auto [N, P] = check_screen_args(x, q, sum128, info, pairs, ws, out);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K <= 32768, "argmax_screen: K (", K, ") above 32,768 could overflow the int32 sums");
-  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(1) * 4 == K &&
-                  q.size(2) == 16 && q.size(3) == 4,
-              "q: int8 [N/16, K/4, 16, 4] (argmax_screen_pack)");
-  const int64_t N = q.size(0) * 16;
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(0) == N &&
                   w.size(1) == K, "w: bfloat16 [N, K], contiguous");
-  TORCH_CHECK(sum128.is_contiguous() && sum128.scalar_type() == at::kInt && sum128.numel() == N &&
-                  info.is_contiguous() && info.scalar_type() == at::kFloat && info.numel() == kInfoRows * N,
-              "sum128, info: argmax_screen_pack's");
-  const int64_t P = pairs.numel();
-  TORCH_CHECK(pairs.is_contiguous() && pairs.scalar_type() == at::kInt && P <= kMaxPairs,
-              "pairs: int32, at most ", kMaxPairs);
-  TORCH_CHECK(ws.is_contiguous() && ws.scalar_type() == at::kInt && ws.dim() == 3 && ws.size(0) * 16 == N &&
-                  ws.size(1) == P && ws.size(2) == 16, "ws: int32 [N/16, P, 16]");
-  {
-    std::vector<char> seen(static_cast<size_t>(K / 2), 0);
-    for (int64_t j = 0; j < P; ++j) {
-      const int32_t t = pairs.data_ptr<int32_t>()[j];
-      TORCH_CHECK(t >= 0 && t < K / 2 && !seen[t], "pairs: distinct pair indices below K / 2 (", K / 2, ")");
-      seen[t] = 1;
-    }
-  }
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == M, "out: int64 [M]");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  const float* I = info.data_ptr<float>();
-  const float max_w_norm = *std::max_element(I + kNorm * N, I + (kNorm + 1) * N);
-  Rows r{M, K};
-  r.quads.assign(static_cast<size_t>(r.blocks() * (K / 4) * kMR), 0);
-  r.sx.resize(M), r.rho.resize(M), r.xin.resize(M), r.gx.resize(M);
-  r.P = P, r.pair_word.resize(M * P);
-  std::atomic<bool> ok{true};
-  const bf16* X = x.data_ptr<bf16>();
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      if (!prepare_row(r, m, X + m * x.stride(0), pairs.data_ptr<int32_t>(), max_w_norm)) ok = false;
-  });
-  if (!ok) return -1;
+#if defined(PAGELLM_SCREEN)
+  Rows r(M, K, kMR, P);
+  if (!prepare_rows(r, x, pairs, info)) return -1;
   const int64_t T = at::get_num_threads(), items = (N / 16 + 1) / 2;
   std::vector<float> lo_max(static_cast<size_t>(T * M * 16), -std::numeric_limits<float>::infinity());
   std::vector<float> item_hi(static_cast<size_t>(M * items));
-  std::unique_ptr<uint16_t[]> col_hi(new uint16_t[items * M * 32]);  // written in full by the screen
-  screen(Screen{&r, q.data_ptr<int8_t>(), sum128.data_ptr<int32_t>(), I,
-                N, K, ws.data_ptr<int32_t>(), lo_max.data(), item_hi.data(), col_hi.get(), items});
-  // The columns each row keeps: A + E >= L - ulp - 2 tau, with
-  //   - ulp: one bf16 ulp at the largest magnitude a kept logit can have (frexp: mag = f 2^e, f in [0.5, 1), so
-  //     that ulp is 2^(e - 8)), as two sums that round to one bf16 value lie within one ulp of each other;
-  //   - tau: the flush to zero of results below 2^-126 (VDPBF16PS's; the inputs hold no denormals), at most 2^-125
-  //     a dot product in the exact kernel's K / 2 and the pairs' P, absolute, so no relative slack covers it.
-  // Their weights go into panels of 16 columns in fma_linear's packed order (zero past the last), whose sums
-  // fma_linear_panel_sums gives with fma_linear's bits.
-  const double tau = std::ldexp(static_cast<double>(K + 2 * P + 16), -125);
-  std::vector<std::vector<int64_t>> cols(static_cast<size_t>(M));
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      float L = -std::numeric_limits<float>::infinity(), H = L;
-      for (int64_t t = 0; t < T; ++t)
-        for (int l = 0; l < 16; ++l) L = std::max(L, lo_max[(t * M + m) * 16 + l]);
-      for (int64_t u = 0; u < items; ++u) H = std::max(H, item_hi[m * items + u]);
-      int e = 0;
-      std::frexp((std::max(std::fabs(static_cast<double>(L)), std::fabs(static_cast<double>(H))) + tau) *
-                     (1.0 + 1.0 / 256), &e);
-      const double thr = static_cast<double>(L) - std::ldexp(1.0, e - 8) * (1 + kBoundSlack) - 2 * tau;
-      for (int64_t u = 0; u < items; ++u)
-        if (static_cast<double>(item_hi[m * items + u]) >= thr)
-          for (int64_t v = 32 * u; v < std::min(32 * u + 32, N); ++v)
-            if (to_float(c10::BFloat16(col_hi[(u * M + m) * 32 + v % 32], c10::BFloat16::from_bits())) >= thr)
-              cols[m].push_back(v);
-    }
-  });
-  // A row always keeps its answer (the bound holds); should one keep nothing, the call still ends cleanly.
-  int64_t kept = 0;
-  for (int64_t m = 0; m < M; ++m) {
-    if (cols[m].empty()) return -1;
-    kept += static_cast<int64_t>(cols[m].size());
-  }
-  if (kept > max_kept) return -1;
+  const Bounds b{info.data_ptr<float>(), sum128.data_ptr<int32_t>(), q.data_ptr<int8_t>(), ws.data_ptr<int32_t>(), N,
+                 items, lo_max.data(), item_hi.data()};
+  run_screen(Screen{&r, N, K, b});
+  // The kept columns' weights go into panels of 16 columns in fma_linear's packed order (zero past the last), whose
+  // sums fma_linear_panel_sums gives with fma_linear's bits.
+  std::vector<std::vector<int64_t>> cols;
+  const int64_t kept = select_columns(b, r, T, max_kept, cols);
+  if (kept < 0) return -1;
+  const bf16* X = x.data_ptr<bf16>();
   std::vector<int64_t> job_row, job_first;  // a job: 16 of a row's columns from its list, from job_first
   for (int64_t m = 0; m < M; ++m)
     for (size_t i = 0; i < cols[m].size(); i += 16) job_row.push_back(m), job_first.push_back(static_cast<int64_t>(i));

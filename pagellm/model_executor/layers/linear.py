@@ -190,13 +190,13 @@ class CPULinear(nn.Module):
         not in its fp16 form) and a screen exists for it; one int8 copy of the weight (N x K bytes) more.
         Returns whether it will."""
         n, k = self.weight.shape
-        k_ = self.kernels
-        fits = ((self.amx is not None and k_.screen_amx is not None and k_.amx_argmax is not None)
-                or (self.fma is not None and k_.screen_argmax is not None and not k_.fma_fp16))
+        kern = self.kernels
+        fits = ((self.amx is not None and kern.screen_amx is not None and kern.amx_argmax is not None)
+                or (self.fma is not None and kern.screen_argmax is not None and not kern.fma_fp16))
         if (not fits or self.bias is not None or self.weight.dtype != torch.bfloat16 or not self.weight.is_contiguous()
                 or n % 16 or k % 32 or k > SCREEN_MAX_K):
             return False
-        q, sum128, info = k_.screen_pack(self.weight.detach())
+        q, sum128, info = kern.screen_pack(self.weight.detach())
         if not q.numel():  # a weight that is not finite, or holds a denormal
             return False
         self.screen = (q, sum128, info)
@@ -235,9 +235,9 @@ class CPULinear(nn.Module):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's index of its largest output (int64 [rows]; the first on ties, as torch.argmax of forward's
-        output), without writing the [rows, N] outputs: from the AMX kernel, or from the int8 screen where
-        enabled (enable_argmax_screen); None where neither applies (forward's path would not be theirs, a bias,
-        or rows the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
+        output), without writing the [rows, N] outputs: from the int8 screen where enabled (enable_argmax_screen),
+        else from the AMX kernel; None where neither applies (forward's path would not be theirs, a bias, or, off
+        AMX, rows the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
         (SmolLM2) written and read back each step."""
         rows = x.shape[0]
         if (self.bias is not None or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.bfloat16

@@ -25,7 +25,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -44,8 +43,7 @@ using namespace pagellm::screen;
 // slice, 3-4 the panels' int8 slices (then their pairs' bf16 words), 5-6 the pairs' fp32 sums, 7 the rows' pairs.
 struct AmxScreen {
   const Rows* rows;
-  const int8_t* q;    // [N/16][Kq/4][16][4]
-  const int32_t* ws;  // [N/16][16][16]: the weights' bf16 pairs at the exact pairs, zero past P
+  const int32_t* ws;  // [N/16][16][16]: the weights' bf16 pairs at the exact pairs, zero past P (b.ws padded)
   const int32_t* xp;  // [rows rounded up to 16][16]: the rows' pair words, zero past P and M
   int64_t N;
   Bounds b;
@@ -58,7 +56,7 @@ void screen_item(const AmxScreen& s, int64_t u, float* lo_max, const char* next,
   const Rows& rw = *s.rows;
   const int64_t Kq = rw.Kq, steps = Kq / 64, blocks = (rw.M + 15) / 16;
   const bool two = 2 * u + 1 < s.N / 16;
-  const int8_t* w0 = s.q + 2 * u * Kq * 16;
+  const int8_t* w0 = s.b.q + 2 * u * Kq * 16;
   const int8_t* w1 = w0 + Kq * 16;
   const uint8_t* xq = reinterpret_cast<const uint8_t*>(rw.quads.data());
   const int64_t per_step = (next_bytes / 64 + blocks * steps - 1) / (blocks * steps) * 64;  // whole lines
@@ -119,7 +117,7 @@ void run_screen(const AmxScreen& s) {
       // the neighbour in this thread's direction: next in this claim, or most likely its next claim's first
       const bool has_next = un >= 0 && un < s.b.items;
       const int64_t next_panels = has_next ? std::min<int64_t>(2, s.N / 16 - 2 * un) : 0;
-      screen_item(s, u, lo_max, has_next ? reinterpret_cast<const char*>(s.q + 2 * un * panel) : nullptr,
+      screen_item(s, u, lo_max, has_next ? reinterpret_cast<const char*>(s.b.q + 2 * un * panel) : nullptr,
                   next_panels * panel, has_next ? reinterpret_cast<const char*>(s.ws + 2 * un * 256) : nullptr);
     }
     _tile_release();
@@ -218,7 +216,7 @@ int64_t argmax_screen_amx(const at::Tensor& x, const at::Tensor& packed, const a
   std::vector<float> item_hi(static_cast<size_t>(M * items));
   const Bounds b{info.data_ptr<float>(), sum128.data_ptr<int32_t>(), q.data_ptr<int8_t>(), ws.data_ptr<int32_t>(), N,
                  items, lo_max.data(), item_hi.data()};
-  run_screen(AmxScreen{&r, q.data_ptr<int8_t>(), ws16.data_ptr<int32_t>(), xp.data(), N, b});
+  run_screen(AmxScreen{&r, ws16.data_ptr<int32_t>(), xp.data(), N, b});
   std::vector<std::vector<int64_t>> cols;
   const int64_t kept = select_columns(b, r, T, max_kept, cols);
   if (kept < 0) return -1;

@@ -32,7 +32,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -239,16 +241,19 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending) {
   configure_tiles();
   alignas(64) float c[2 * 32 * 32], cu[2 * 32 * 32];
   const int64_t full = g.M / 16 * 16, K = g.kc_n * 32;
-  std::vector<bf16> tail;  // the last M % 16 rows, zero-padded to 16
+  // The last M % 16 rows, zero-padded to 16 (memcpy / memset: a vector's fill of 2-byte elements runs element by
+  // element).
+  std::unique_ptr<bf16[]> tail;
   if (full < g.M) {
-    tail.assign(16 * K, bf16(0.f));
-    for (int64_t m = full; m < g.M; ++m) std::copy_n(g.x + m * g.lda, K, tail.data() + (m - full) * K);
+    tail.reset(new bf16[16 * K]);
+    for (int64_t m = full; m < g.M; ++m) std::memcpy(tail.get() + (m - full) * K, g.x + m * g.lda, K * sizeof(bf16));
+    std::memset(tail.get() + (g.M - full) * K, 0, (16 - (g.M - full)) * K * sizeof(bf16));
   }
   Best* best = g.best ? g.best + at::get_thread_num() * g.M : nullptr;
   for (int64_t k = 0; k < hi - lo; ++k) {
     const int64_t u = ascending ? lo + k : hi - 1 - k;
     const int64_t mc = u / g.blocks * kRowChunk, nb = u % g.blocks, next = ascending ? nb + 1 : nb - 1;
-    column_block(g, mc, std::min(g.M, mc + kRowChunk), nb, next >= 0 && next < g.blocks ? next : -1, tail.data(),
+    column_block(g, mc, std::min(g.M, mc + kRowChunk), nb, next >= 0 && next < g.blocks ? next : -1, tail.get(),
                  c, cu, best);
   }
   _tile_release();

@@ -146,7 +146,10 @@ void attend_amx(const Args& a, const Task& t, const c10::BFloat16* qp, const c10
   }
   // Every head's query first: a tile load right after stores to its lines waits for them to drain (a 14% stall
   // when each (block, head) copied its query just before loading it).
-  w.q.assign(t.nh * rows * D, bf16(0.f));
+  // (memset: a vector's fill of 2-byte elements runs element by element; 64 decode rows x 30 layers over 362
+  // tokens, alternating in one process: 24.4-24.9 against 24.6-25.4 ms)
+  w.q.resize(t.nh * rows * D);
+  std::memset(w.q.data(), 0, w.q.size() * sizeof(bf16));
   for (int64_t j = 0; j < t.nh; ++j)
     for (int64_t v = 0; v < nv; ++v)
       std::memcpy(w.q.data() + (j * rows + v) * D, qp + (row0 + v / a.G) * a.q_s0 + ((t.h + j) * a.G + v % a.G) * a.q_s1,

@@ -328,6 +328,48 @@ def test_amx_linear_argmax_is_the_argmax_of_amx_linear(threads, rows, n, k):
         ops.amx_linear_argmax(x, packed, n + 16, got)
 
 
+@pytest.mark.skipif(not ops.amx_linear_supported(), reason="CPU without AMX-BF16")
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows,k", [(400, 576), (1250, 1184)])  # x held whole / in three parts of K (12, 12, 13)
+def test_amx_linear_row_major_order_gives_the_column_major_bits(threads, rows, k):
+    # prefill-sized calls take the rows block by block across column groups (amx_linear_cpu.cpp: row_block); each
+    # row's sums run in the same order as in a small call's column-major pass, so every output row must be the same
+    # bits as the same row computed in a call of a few rows: plain (bias, a half-full last panel, strided x and y),
+    # silu_mul, and the argmax head
+    from pagellm.model_executor.layers.linear import pack_amx
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k + 64).bfloat16()[:, 32:32 + k]
+    w, b = (torch.randn(200, k) * 0.1).bfloat16(), torch.randn(200).bfloat16()
+    wg = (torch.randn(2 * 1536, k) * 0.1).bfloat16()  # gate/up: 6 column groups of ~1 MiB at K = 1184
+    packed, packed_gu = pack_amx(w), pack_amx(wg)
+    few = torch.tensor([0, 1, 37, rows // 2, rows - 2, rows - 1])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = torch.full((rows, 232), float("nan"), dtype=torch.bfloat16)[:, :200]
+        ops.amx_linear(x, packed, b, y)
+        h = torch.empty(rows, 1536, dtype=torch.bfloat16)
+        ops.amx_linear_silu_mul(x, packed_gu, None, h)
+        top = torch.empty(rows, dtype=torch.int64)
+        ops.amx_linear_argmax(x, packed, 200, top)
+        for i in few.tolist():
+            xi = x[i:i + 1]
+            yi, hi, ti = torch.empty(1, 200, dtype=torch.bfloat16), torch.empty(1, 1536, dtype=torch.bfloat16), \
+                torch.empty(1, dtype=torch.int64)
+            ops.amx_linear(xi, packed, b, yi)
+            ops.amx_linear_silu_mul(xi, packed_gu, None, hi)
+            ops.amx_linear_argmax(xi, packed, 200, ti)
+            assert torch.equal(y[i], yi[0]) and torch.equal(h[i], hi[0]) and top[i] == ti[0], i
+    finally:
+        torch.set_num_threads(old)
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    y0 = torch.empty(rows, 200, dtype=torch.bfloat16)
+    ops.amx_linear(x, packed, None, y0)
+    assert torch.equal(top, y0.argmax(-1))
+
+
 def test_avx2_cpus_take_the_fma_kernels_and_the_cpp_decoder():
     # CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3): torch's bf16 GEMM runs oneDNN's reference path there
     # (5-11 GFLOP/s on the project's 2-core Zen 3 VM), so the FMA kernel's 8-lane path must be what bf16 linears

@@ -17,6 +17,13 @@
 // 32-deep step. Into L2 rather than L1, and spread over all the row blocks rather than issued by the first:
 // 0.89-0.94x the time at 1-512 rows (SmolLM2's 120 linears against the previous build, 10 alternating pairs per
 // row count in one process, two runs; `python bench/kernels.py` times the kernel per row count).
+// Prefill-sized calls (kRowMajorRows rows or more per part of K) run row-major instead (row_block): the items are
+// (column group of ~1 MiB of panels, 32-row block); a row block's x stays in L1 across the group's column blocks
+// and w's tiles stream from L2 (the group's panels stay there while the row blocks pass). A tile multiply takes
+// 16 cycles and a 2 x 2 block's 32-deep step loads 4 KiB, so with both operands coming from L2 the loads, not the
+// multiplies, set the pace (a bare tile loop here: ~3.0 TFLOP/s a core with one operand in L1, ~2.1 with both in
+// L2). SmolLM2's 120 linears at 2,048 rows, alternating in one process: 154-165 against 184-198 ms (qkv and o
+// 0.78x, gate/up 0.82x, down 0.96x); at 384-768 rows 0.90-0.97x; below, column-major stays faster.
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 // amx_linear_argmax runs an LM head for greedy sampling: each row's index of its largest output (as bf16), kept per
 // thread as the blocks come and merged at the end, so the [rows, vocab] logits are never written nor read back
@@ -48,24 +55,44 @@ using bf16 = c10::BFloat16;
 
 #if defined(PAGELLM_AMX)
 constexpr int64_t kRowChunk = 256;
+// Row-major order (row_block): x's 32 rows held in L1 in parts of at most kResidentSteps 32-deep steps (36 KiB),
+// for calls of at least kRowMajorRows rows per part.
+constexpr int64_t kResidentSteps = 18, kRowMajorRows = 384;
+
+inline int64_t k_parts(int64_t kc_n) { return (kc_n + kResidentSteps - 1) / kResidentSteps; }
+
+// A B tile's load, with the streaming hint (TILELOADDT1) or without; the tile intrinsics take the tile as a literal.
+#define PAGELLM_LOAD_B(tile, stream, p)                   \
+  do {                                                    \
+    if constexpr (stream) _tile_stream_loadd(tile, p, 64); \
+    else _tile_loadd(tile, p, 64);                        \
+  } while (0)
 
 // Tiles (configure_tiles): C 0-3 (fp32 16 x 16; C[2 mi + ni]), A 4-5 (bf16 16 x 32), B 6-7 (16 k-pairs).
-// One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32.
+// One 16*MB x 16*NB block: a[i] rows of x (stride lda elements), b[j] packed panels; c: [32][32] fp32, started
+// from cin's sums (the same layout) or from zero (cin null). StreamB: w's tiles loaded with the streaming hint.
 // pf, pf_bytes: a slice of the next column block's panels, fetched into L2 alongside, evenly over the k-steps.
 // between(kc, kc_n) runs after each k-step's multiplies are issued: the previous block's epilogue, a slice at a
 // time, so its vector work overlaps this block's tile multiplies.
-template <int MB, int NB, typename Between>
+template <int MB, int NB, bool StreamB, typename Between>
 void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64_t kc_n, const char* pf,
-           int64_t pf_bytes, float* c, Between&& between) {
+           int64_t pf_bytes, const float* cin, float* c, Between&& between) {
   const int64_t pf_step = ((pf_bytes + kc_n - 1) / kc_n + 63) / 64 * 64;  // whole lines per k-step
-  _tile_zero(0);
-  if (NB > 1) _tile_zero(1);
-  if (MB > 1) _tile_zero(2);
-  if (MB > 1 && NB > 1) _tile_zero(3);
+  if (cin) {
+    _tile_loadd(0, cin, 128);
+    if (NB > 1) _tile_loadd(1, cin + 16, 128);
+    if (MB > 1) _tile_loadd(2, cin + 512, 128);
+    if (MB > 1 && NB > 1) _tile_loadd(3, cin + 528, 128);
+  } else {
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    if (MB > 1) _tile_zero(2);
+    if (MB > 1 && NB > 1) _tile_zero(3);
+  }
   const int64_t sa0 = lda[0] * 2, sa1 = lda[1] * 2;
   _tile_loadd(4, a[0], sa0);
-  _tile_loadd(6, b[0], 64);
-  if (NB > 1) _tile_loadd(7, b[1], 64);
+  PAGELLM_LOAD_B(6, StreamB, b[0]);
+  if (NB > 1) PAGELLM_LOAD_B(7, StreamB, b[1]);
   if (MB > 1) _tile_loadd(5, a[1], sa1);
   for (int64_t kc = 0; kc < kc_n; ++kc) {
     const bool more = kc + 1 < kc_n;
@@ -77,19 +104,29 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
     if (more) _tile_loadd(4, a[0] + ka, sa0);
     if (MB > 1) {
       _tile_dpbf16ps(2, 5, 6);
-      if (more) _tile_loadd(6, b[0] + kb, 64);
+      if (more) PAGELLM_LOAD_B(6, StreamB, b[0] + kb);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
       if (more) _tile_loadd(5, a[1] + ka, sa1);
     } else if (more) {
-      _tile_loadd(6, b[0] + kb, 64);
+      PAGELLM_LOAD_B(6, StreamB, b[0] + kb);
     }
-    if (NB > 1 && more) _tile_loadd(7, b[1] + kb, 64);
+    if (NB > 1 && more) PAGELLM_LOAD_B(7, StreamB, b[1] + kb);
     between(kc, kc_n);
   }
   _tile_stored(0, c, 128);
   if (NB > 1) _tile_stored(1, c + 16, 128);
   if (MB > 1) _tile_stored(2, c + 512, 128);
   if (MB > 1 && NB > 1) _tile_stored(3, c + 528, 128);
+}
+
+// block() for mt row tiles and nt column tiles (1 or 2 each).
+template <bool StreamB, typename Between>
+void dispatch_block(int64_t mt, int64_t nt, const bf16* const* a, const int64_t* lda, const bf16* const* b,
+                    int64_t kc_n, const char* pf, int64_t pf_bytes, const float* cin, float* c, Between&& between) {
+  if (mt == 2 && nt == 2) block<2, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
+  else if (mt == 2) block<2, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
+  else if (nt == 2) block<1, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
+  else block<1, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
 }
 
 // The epilogue of one 32 x 32 block of y from its fp32 block c [32][32] (+ bias): y = bf16(c), or, for
@@ -219,10 +256,7 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
     // run(w, pf, out, from, to): the block against panels w into out, with rows [from, to) of prev's epilogue
     auto run = [&](const bf16* const* w, const char* pf, float* out, int64_t from, int64_t to) {
       auto between = [&](int64_t kc, int64_t kc_n) { prev.rows_to(from + (to - from) * (kc + 1) / kc_n); };
-      if (mt == 2 && nt == 2) block<2, 2>(a, ld, w, g.kc_n, pf + lo, hi - lo, out, between);
-      else if (mt == 2) block<2, 1>(a, ld, w, g.kc_n, pf + lo, hi - lo, out, between);
-      else if (nt == 2) block<1, 2>(a, ld, w, g.kc_n, pf + lo, hi - lo, out, between);
-      else block<1, 1>(a, ld, w, g.kc_n, pf + lo, hi - lo, out, between);
+      dispatch_block<false>(mt, nt, a, ld, w, g.kc_n, pf + lo, hi - lo, nullptr, out, between);
     };
     if (silu) {
       run(b, next, c + slot, 0, prev.rows / 2);
@@ -236,8 +270,58 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
   prev.rows_to(prev.rows);
 }
 
-// Work items u = (row chunk u / blocks, column block u % blocks), [lo, hi) in the given direction.
-void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending) {
+// Rows [m0, m0 + 32) of y against column blocks [nb0, nb1), the row-major order of prefill-sized calls: x's 32
+// rows stay in L1 from one column block to the next while w's tiles stream from L2 with the streaming hint, so
+// every 32-deep step takes one operand from L1 and only 2 KiB from L2 (the column-major order reads both from L2
+// once a row block's x and a column block's panels exceed L1 together, as at K = 576: 36 KiB each). x's rows
+// longer than kResidentSteps steps go in parts, each column block's sums kept in part (fp32: the same bits) from
+// one part to the next; the epilogue runs in the last.
+void row_block(const Gemm& g, int64_t m0, int64_t nb0, int64_t nb1, const bf16* tail, float* c, float* cu,
+               float* part, Best* best) {
+  const int64_t full = g.M / 16 * 16, K = g.kc_n * 32;
+  const int64_t panel = g.kc_n * 512, tiles_n = (g.N + 15) / 16;
+  const int64_t rows = std::min<int64_t>(32, g.M - m0), mt = (rows + 15) / 16;
+  const bool silu = g.up_tile > 0;
+  const int64_t parts = k_parts(g.kc_n);
+  for (int64_t q = 0; q < parts; ++q) {
+    const int64_t k0 = g.kc_n * q / parts, kn = g.kc_n * (q + 1) / parts - k0;
+    const bool first = q == 0, last = q + 1 == parts;
+    const bf16* a[2];
+    int64_t ld[2];
+    for (int i = 0; i < 2; ++i) {
+      const int64_t r = m0 + 16 * std::min<int64_t>(i, mt - 1);
+      a[i] = (r < full ? g.x + r * g.lda : tail) + k0 * 32;
+      ld[i] = r < full ? g.lda : K;
+    }
+    Epilogue prev;  // the previous column block's (rows = 0: none)
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
+      const int64_t cols = std::min<int64_t>(32, g.N - n0);
+      const bf16* b[2] = {g.bp + t0 * panel + k0 * 512, g.bp + (t0 + nt - 1) * panel + k0 * 512};
+      const bf16* bu[2] = {b[0] + g.up_tile * panel, b[1] + g.up_tile * panel};
+      const int64_t slot = (nb - nb0) % 2 * 1024;
+      float* pg = parts > 1 ? part + (nb - nb0) * 2048 : nullptr;  // this block's partial sums: gate's (or plain), up's
+      auto run = [&](const bf16* const* w, float* pw, float* out, int64_t from, int64_t to) {
+        auto between = [&](int64_t kc, int64_t kc_n) { prev.rows_to(from + (to - from) * (kc + 1) / kc_n); };
+        dispatch_block<true>(mt, nt, a, ld, w, kn, nullptr, 0, first ? nullptr : pw, last ? out : pw, between);
+      };
+      if (silu) {
+        run(b, pg, c + slot, 0, prev.rows / 2);
+        run(bu, pg + 1024, cu + slot, prev.rows / 2, prev.rows);
+      } else {
+        run(b, pg, c + slot, 0, prev.rows);
+      }
+      if (last)
+        prev = Epilogue{c + slot, silu ? cu + slot : nullptr, rows, 0, n0, g.up_tile * 16 + n0, cols, g.bias,
+                        g.y + m0 * g.ldy, g.ldy, best ? best + m0 : nullptr};
+    }
+    prev.rows_to(prev.rows);
+  }
+}
+
+// Work items u = (row chunk u / blocks, column block u % blocks), [lo, hi) in the given direction; row-major
+// (groups > 0): u = (column group u / row blocks, row block u % row blocks).
+void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, int64_t groups) {
   configure_tiles();
   alignas(64) float c[2 * 32 * 32], cu[2 * 32 * 32];
   const int64_t full = g.M / 16 * 16, K = g.kc_n * 32;
@@ -250,8 +334,18 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending) {
     std::memset(tail.get() + (g.M - full) * K, 0, (16 - (g.M - full)) * K * sizeof(bf16));
   }
   Best* best = g.best ? g.best + at::get_thread_num() * g.M : nullptr;
+  const int64_t row_blocks = (g.M + 31) / 32;
+  std::unique_ptr<float[]> part;  // row-major, K split: [column block][gate, up][32][32] partial sums
   for (int64_t k = 0; k < hi - lo; ++k) {
     const int64_t u = ascending ? lo + k : hi - 1 - k;
+    if (groups > 0) {
+      const int64_t grp = u / row_blocks;
+      const int64_t nb0 = g.blocks * grp / groups, nb1 = g.blocks * (grp + 1) / groups;
+      if (!part && k_parts(g.kc_n) > 1) part.reset(new float[(g.blocks / groups + 1) * 2048]);
+      const int64_t rb = u % row_blocks;
+      row_block(g, rb * 32, nb0, nb1, tail.get(), c, cu, part.get(), best);
+      continue;
+    }
     const int64_t mc = u / g.blocks * kRowChunk, nb = u % g.blocks, next = ascending ? nb + 1 : nb - 1;
     column_block(g, mc, std::min(g.M, mc + kRowChunk), nb, next >= 0 && next < g.blocks ? next : -1, tail.get(),
                  c, cu, best);
@@ -262,8 +356,18 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending) {
 void run(Gemm g) {
   const int64_t chunks = (g.M + kRowChunk - 1) / kRowChunk;
   g.blocks = (g.N + 31) / 32;
+  if (g.M >= kRowMajorRows * k_parts(g.kc_n)) {
+    // w's column groups of at most ~1 MiB of panels (gate/up: both), each in L2 while the row blocks pass
+    const int64_t block_bytes = g.kc_n * 2048 * (g.up_tile > 0 ? 2 : 1);
+    const int64_t per_group = std::max<int64_t>(1, (int64_t{1} << 20) / block_bytes);
+    const int64_t groups = (g.blocks + per_group - 1) / per_group, row_blocks = (g.M + 31) / 32;
+    claim_from_both_ends(groups * row_blocks, 2, [&](int64_t lo, int64_t hi, bool ascending) {
+      items(g, lo, hi, ascending, groups);
+    });
+    return;
+  }
   claim_from_both_ends(chunks * g.blocks, 2, [&](int64_t lo, int64_t hi, bool ascending) {
-    items(g, lo, hi, ascending);
+    items(g, lo, hi, ascending, 0);
   });
 }
 #endif

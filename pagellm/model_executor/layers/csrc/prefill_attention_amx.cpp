@@ -173,7 +173,7 @@ void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, cons
   w.P.resize(kRows * kKeyChunk);
   w.V.resize(kKeyChunk * D);
   w.q.resize(G * kRows * D);
-  std::fill(w.q.begin(), w.q.end(), bf16(0.f));
+  std::memset(w.q.data(), 0, w.q.size() * sizeof(bf16));  // (a vector's fill of 2-byte elements: one at a time)
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < t.rows; ++i)
       std::memcpy(w.q.data() + (g * kRows + i) * D, qp + (row0 + i) * a.q_s0 + (t.h * G + g) * a.q_s1,
@@ -195,8 +195,13 @@ void run_task(const Args& a, const Task& t, const bf16* qp, const bf16* kc, cons
       std::memcpy(w.V.data(), vc + bt[tok / B] * a.v_sb + t.h * a.v_sh + (tok % B) * D, 32 * D * sizeof(bf16));
     }
     const int64_t v0 = in_place ? std::max<int64_t>(k_end, 0) : 0;  // the pass's first key held in w.V (even)
-    for (int64_t tok = valid; tok < cp; ++tok)  // past the context
-      for (int64_t d = 0; d < D; ++d) w.V[((tok - v0) / 2) * D * 2 + d * 2 + tok % 2] = bf16(0.f);
+    if (valid < cp) {  // past the context: the second token of a pair left in use, then whole pairs
+      int64_t tok = valid;
+      if (tok % 2)
+        for (int64_t d = 0; d < D; ++d) w.V[((tok - v0) / 2) * D * 2 + d * 2 + 1] = bf16(0.f);
+      tok += tok % 2;
+      std::memset(w.V.data() + ((tok - v0) / 2) * D * 2, 0, (cp - tok) * D * sizeof(bf16));
+    }
     for (int64_t g = 0; g < G; ++g) {
       const bf16* q = w.q.data() + g * kRows * D;
       // 1. scores: 2 row tiles x 2 key tiles per step, each key tile loaded once for both row tiles

@@ -22,8 +22,8 @@
 // and w's tiles stream from L2 (the group's panels stay there while the row blocks pass). A tile multiply takes
 // 16 cycles and a 2 x 2 block's 32-deep step loads 4 KiB, so with both operands coming from L2 the loads, not the
 // multiplies, set the pace (a bare tile loop here: ~3.0 TFLOP/s a core with one operand in L1, ~2.1 with both in
-// L2). SmolLM2's 120 linears at 2,048 rows, alternating in one process: 154-165 against 184-198 ms (qkv and o
-// 0.78x, gate/up 0.82x, down 0.96x); at 384-768 rows 0.90-0.97x; below, column-major stays faster.
+// L2). SmolLM2's 120 linears at 2,048 rows, alternating in one process: 154-165 against 182-198 ms (qkv and o
+// 0.78x, gate/up 0.82x, down 0.96x); at 384-768 rows 0.90-1.0x; below, column-major stays faster.
 // x rows past the last full 16 are copied into a zero-padded tile so every tile load is a full 16 rows.
 // amx_linear_argmax runs an LM head for greedy sampling: each row's index of its largest output (as bf16), kept per
 // thread as the blocks come and merged at the end, so the [rows, vocab] logits are never written nor read back

@@ -341,7 +341,7 @@ def test_amx_linear_row_major_order_gives_the_column_major_bits(threads, rows, k
     torch.manual_seed(rows)
     x = torch.randn(rows, k + 64).bfloat16()[:, 32:32 + k]
     w, b = (torch.randn(200, k) * 0.1).bfloat16(), torch.randn(200).bfloat16()
-    wg = (torch.randn(2 * 1536, k) * 0.1).bfloat16()  # gate/up: 6 column groups of ~1 MiB at K = 1184
+    wg = (torch.randn(2 * 1536, k) * 0.1).bfloat16()  # gate/up: 8 column groups of 6 blocks (0.87 MiB) at K = 1184
     packed, packed_gu = pack_amx(w), pack_amx(wg)
     few = torch.tensor([0, 1, 37, rows // 2, rows - 2, rows - 1])
     old = torch.get_num_threads()

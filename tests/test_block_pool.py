@@ -130,6 +130,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.refs = [0] * num_blocks
         self.free_order = list(range(num_blocks))  # a fresh pool's queue holds the blocks in id order
         self.peak = 0
+        self.ever_allocated: set[int] = set()
 
     # -- model helpers
     def used(self) -> int:
@@ -161,6 +162,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 1 for b in got)
         for b in got:
             self.refs[b.block_id] = 1
+            self.ever_allocated.add(b.block_id)
         del self.free_order[:n]
         self.peak = max(self.peak, self.used())
 
@@ -241,6 +243,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert [b.ref_cnt for b in self.pool.blocks] == self.refs
         assert free == self.free_order
         assert self.pool.peak_used == self.peak, "peak_used must be the high-water mark of used blocks"
+        # first_unused: no block from there on was ever handed out (so ModelRunner.prefault_blocks may write into
+        # them while requests hold others); they are the queue's head, in id order, ahead of every freed block
+        first = self.pool.first_unused
+        assert first == max(self.ever_allocated, default=-1) + 1
+        assert free[:self.pool.num_blocks - first] == list(range(first, self.pool.num_blocks))
 
     def teardown(self):
         if not hasattr(self, "pool"):

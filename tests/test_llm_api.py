@@ -7,6 +7,7 @@ import sys
 import pathlib
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
 from tests.conftest import pool_is_whole
@@ -216,6 +217,104 @@ def test_kv_cache_prefault_maps_the_first_blocks_only(gguf_path):
     for bad in ("lots", -1, True):
         with pytest.raises(ValueError, match="kv_cache_prefault"):
             EngineConfig(kv_cache_prefault=bad)
+
+
+def test_prefault_kv_cache_maps_only_never_used_blocks(tiny_checkpoint):
+    # The server maps the pool's blocks past kv_cache_prefault while idle (LLMEngine.prefault_kv_cache), a chunk
+    # a call. It must never write into a block a request has used: here a request holds its blocks mid-generation
+    # while every other block gets mapped; its blocks keep their contents and its tokens are those of a run
+    # without the prefault.
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 70))
+    llm = LLM(model=path, dtype="float32", block_size=16, kv_cache_memory="4MiB", kv_cache_prefault=0)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    if runner.model.backend.needs_zeroed_cache:
+        pytest.skip("the CPU kernels are unavailable here (torch reference backend: the cache is zero-filled)")
+    want = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    pool = eng.kv_manager.pool
+    total = pool.num_blocks
+    assert runner.mapped_blocks == 0 and 0 < pool.first_unused < total
+    rid = eng.add_request(prompt_token_ids=prompt, sampling_params=params)
+    for _ in range(3):
+        eng.step()
+    used = pool.first_unused  # the blocks both requests have been handed so far
+    before = runner.kv_cache[:, :, :used].clone()
+    calls = 0
+    while eng.prefault_kv_cache(runner.bytes_per_block * 3):
+        calls += 1
+    assert runner.mapped_blocks == total and calls >= (total - used) // 3 - 1
+    assert torch.equal(runner.kv_cache[:, :, :used], before)
+    assert not eng.prefault_kv_cache(2**20), "nothing is left to map"
+    got = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                got = out.outputs[0].token_ids
+    assert got == want and pool_is_whole(llm)
+
+
+def test_server_loop_maps_the_kv_cache_while_idle(tiny_checkpoint):
+    # AsyncLLMEngine's loop maps the cache's unmapped blocks while no request runs (prefault_when_idle), and
+    # leaves them with prefault_when_idle=False; requests are served either way.
+    import asyncio
+    import time
+
+    from pagellm.config import EngineConfig
+    from pagellm.engine.async_engine import AsyncLLMEngine
+
+    async def one(engine):
+        async for out in engine.generate(None, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                         prompt_token_ids=list(range(5, 25))):
+            last = out
+        return last.outputs[0].token_ids
+
+    for idle in (True, False):
+        cfg = EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory="8MiB",
+                           kv_cache_prefault=0)
+        engine = AsyncLLMEngine(cfg, prefault_when_idle=idle)
+        try:
+            runner = engine.engine.runner
+            if runner.model.backend.needs_zeroed_cache:
+                pytest.skip("the CPU kernels are unavailable here (torch reference backend: the cache is zero-filled)")
+            total = engine.engine.kv_manager.num_blocks
+            deadline = time.monotonic() + 60
+            while idle and runner.mapped_blocks < total and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not idle:
+                time.sleep(0.5)
+            assert runner.mapped_blocks == (total if idle else 0)
+            assert len(asyncio.run(one(engine))) == 5
+        finally:
+            engine.shutdown()
+
+
+def test_server_engine_is_built_on_its_loop_thread(tiny_checkpoint, monkeypatch):
+    # AsyncLLMEngine builds its LLMEngine on the loop thread that steps it, so that one thread starts every OpenMP
+    # region (with two, libgomp stops spinning between regions: ~20% slower steps, async_engine.py); what building
+    # it raises reaches the caller.
+    import threading
+
+    from pagellm.config import EngineConfig
+    from pagellm.engine import async_engine
+
+    built_on = []
+    real = async_engine.LLMEngine
+
+    class Recording(real):
+        def __init__(self, config):
+            built_on.append(threading.current_thread().name)
+            super().__init__(config)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    engine = async_engine.AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32",
+                                                      kv_cache_memory="8MiB"))
+    try:
+        assert built_on == ["pagellm-engine"] and engine.is_alive
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="holds no KV block"):
+        async_engine.AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory="1KiB"))
 
 
 def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):

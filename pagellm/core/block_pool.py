@@ -89,6 +89,10 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.peak_used = 0
         self.num_evictions = 0
+        # Blocks with this id or above have never been handed out (the free queue starts in id order and freed
+        # blocks go to its tail, so fresh blocks leave it lowest id first): the KV cache's memory there may still
+        # be unmapped, and holds nothing (ModelRunner.prefault_blocks).
+        self.first_unused = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +119,7 @@ class BlockPool:
                 b.block_hash = None
                 self.num_evictions += 1
             b.ref_cnt = 1
+            self.first_unused = max(self.first_unused, b.block_id + 1)
             out.append(b)
         self.peak_used = max(self.peak_used, self.num_used_blocks)
         return out

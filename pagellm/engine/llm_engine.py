@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch.profiler import record_function
 
@@ -96,6 +97,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children
         self.parent_of: dict[str, str] = {}
         self._ids = itertools.count()
+        self._prefault_stopped = False
         torch.manual_seed(config.seed)
         # The model, tokenizer and imported libraries are hundreds of thousands of long-lived objects: move them
         # out of the collector's reach, so the collections that a step's many small allocations trigger only
@@ -185,6 +187,25 @@ class LLMEngine:
         self.stats = EngineStats(self.stats.num_blocks, self.stats.block_size, self.stats.kv_cache_bytes)
         self.scheduler.num_preemptions = self.scheduler.num_swaps_out = 0
         self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
+
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        """Map up to max_bytes more of the KV cache's never-used blocks (CPU: the pool's blocks past
+        kv_cache_prefault are mapped by the OS on their first write, inside a step, where each page fault holds up
+        every thread); for idle time, as the server's loop does. Stops, for good, while less than twice max_bytes
+        of memory is available. Returns True while blocks are left to map."""
+        runner, total = self.runner, self.kv_manager.num_blocks
+        if self._prefault_stopped or runner.mapped_blocks >= total:
+            return False
+        if psutil.virtual_memory().available < 2 * max_bytes:
+            logger.info("KV cache: %d of %d blocks mapped; the rest are left to map on first use (low memory)",
+                        runner.mapped_blocks, total)
+            self._prefault_stopped = True
+            return False
+        runner.prefault_blocks(self.kv_manager.pool.first_unused, max(1, max_bytes // runner.bytes_per_block))
+        if runner.mapped_blocks < total:
+            return True
+        logger.info("KV cache: all %d blocks mapped (%.0f MiB)", total, runner.kv_cache_bytes / 2**20)
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -18,6 +18,9 @@ def add_parser(sub, engine_args) -> None:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     s.add_argument("--log-interval", type=float, default=5.0, help="seconds between stats log lines while busy")
+    s.add_argument("--no-idle-prefault", dest="idle_prefault", action="store_false",
+                   help="CPU: leave the KV cache's blocks past --kv-cache-prefault to map on first use (by default "
+                        "the server maps them while no request runs, so steps take no page faults in them)")
     engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -39,7 +42,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     kwargs = engine_kwargs(a)
     if a.model_tag is not None:
         kwargs["model"] = a.model_tag
-    engine = AsyncLLMEngine(EngineConfig(**kwargs), log_interval_s=a.log_interval)
+    engine = AsyncLLMEngine(EngineConfig(**kwargs), log_interval_s=a.log_interval, prefault_when_idle=a.idle_prefault)
     name = a.served_model_name or served_name(kwargs["model"])
     app = build_app(engine, name, api_key=a.api_key, max_body_bytes=a.max_body_bytes)
     base = f"http://{a.host}:{a.port}"

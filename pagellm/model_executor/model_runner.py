@@ -43,9 +43,13 @@ class ModelRunner:
         # and inside a step the KV writer's faults hold up both threads: workload_64 first writes ~0.6 GB of
         # blocks, 1.2-1.3 s of an ~11 s run. So the blocks the pool hands out first (the lowest ids) are mapped
         # now, by writing zeros into them: 1 GiB (prefault_bytes' default) took 1.8 s at start-up there.
-        if alloc is torch.empty and prefault_bytes > 0:
-            head = min(num_blocks, -(-prefault_bytes // kv_bytes_per_block(s, block_size, dtype)))
-            self.kv_cache[:, :, :head].zero_()
+        self.bytes_per_block = kv_bytes_per_block(s, block_size, dtype)
+        # Blocks [0, mapped_blocks) are mapped (written at start-up); the OS maps those past it when tokens are
+        # first written into them, unless prefault_blocks has (the server calls it while idle).
+        self.mapped_blocks = num_blocks
+        if alloc is torch.empty:
+            self.mapped_blocks = min(num_blocks, -(-prefault_bytes // self.bytes_per_block))
+            self.kv_cache[:, :, :self.mapped_blocks].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         # Swap space for preempted requests: the same layout in host memory (pinned when the cache is on a GPU).
@@ -56,6 +60,17 @@ class ModelRunner:
                                              pin_memory=device.type == "cuda")
         self.sampler = Sampler(model.ops)
         self.supports_cascade = model.supports_cascade and dtype == torch.bfloat16
+
+    def prefault_blocks(self, first_unused: int, max_blocks: int) -> int:
+        """Map up to max_blocks more blocks of the cache by writing zeros into them, starting past both those
+        mapped so far and first_unused (the pool has never handed out a block from there on, so none holds data);
+        returns how many were mapped (0: all are)."""
+        lo = max(self.mapped_blocks, first_unused)
+        hi = min(self.kv_cache.shape[2], lo + max(0, max_blocks))
+        if hi > lo:
+            self.kv_cache[:, :, lo:hi].zero_()
+        self.mapped_blocks = max(self.mapped_blocks, hi)
+        return max(0, hi - lo)
 
     def swap(self, so: SchedulerOutput) -> None:
         """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""

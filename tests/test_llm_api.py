@@ -317,6 +317,35 @@ def test_server_engine_is_built_on_its_loop_thread(tiny_checkpoint, monkeypatch)
         async_engine.AsyncLLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), kv_cache_memory="1KiB"))
 
 
+def test_stepping_on_another_thread_warns_once(tiny_checkpoint, caplog):
+    # An engine stepped on another thread than the one that built it runs its kernels with a second OpenMP pool,
+    # ~20% slower on CPU (async_engine.py): the engine says so, once, and still generates the same tokens.
+    import logging
+    import threading
+
+    llm = LLM(model=str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory="8MiB")
+    eng = llm.llm_engine
+    if eng.config.torch_device.type != "cpu":
+        pytest.skip("OpenMP's pools are a CPU matter: the engine warns on CPU only")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": list(range(4, 30))}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert "another thread" not in caplog.text
+    got = []
+
+    def drive():
+        rid = eng.add_request(prompt_token_ids=list(range(4, 30)), sampling_params=params)
+        while eng.has_unfinished_requests():
+            got.extend(o.outputs[0].token_ids for o in eng.step() if o.request_id == rid and o.finished)
+
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        for _ in range(2):
+            t = threading.Thread(target=drive)
+            t.start()
+            t.join()
+    assert caplog.text.count("stepped on another thread") == 1
+    assert got == [want, want]
+
+
 def test_bf16_cascade_attention_for_a_shared_prefix(gguf_path):
     # 10 requests share a 320-token prefix through the prefix cache: their decode steps attend it once for all
     # (cascade attention, on CPUs with AMX), and the pool is whole after. The kernels' numbers are checked against

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -98,6 +99,7 @@ class LLMEngine:
         self.parent_of: dict[str, str] = {}
         self._ids = itertools.count()
         self._prefault_stopped = False
+        self._built_on = threading.get_ident() if dev.type == "cpu" else None  # see step()
         torch.manual_seed(config.seed)
         # The model, tokenizer and imported libraries are hundreds of thousands of long-lived objects: move them
         # out of the collector's reach, so the collections that a step's many small allocations trigger only
@@ -213,6 +215,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for each request that got a token or finished."""
+        if self._built_on is not None and threading.get_ident() != self._built_on:
+            # Both threads then own an OpenMP worker pool: over the CPU count, libgomp sleeps between parallel
+            # regions (workload_64: ~20% slower on 2 cores; AsyncLLMEngine builds its engine on its loop thread).
+            logger.warning("this engine is stepped on another thread than the one that built it: OpenMP's workers "
+                           "then sleep between kernels (~20%% slower steps on CPU); build and step it on one thread")
+            self._built_on = None
         with record_function("pagellm.schedule"):
             so = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions

@@ -234,3 +234,31 @@ def test_cli_prints_one_json_line(server, tmp_path, capsys):
         for k in ("mean", "p50", "p90", "p99"):
             assert isinstance(r[f"{m}_ms_{k}"], float)
     assert "Serving Benchmark Result" in cap.err and "TTFT" in cap.err
+
+
+def test_compare_serve_script_measures_pagellm_and_skips_a_missing_peer(gguf_path, tmp_path):
+    # bench/compare_serve.sh end to end without vLLM's environment: it starts `pagellm serve` (the default model),
+    # warms it up, runs the workload through `pagellm bench serve`, stops the server and prints the median.
+    import os
+    import pathlib
+    import subprocess
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    if not (repo / ".venv" / "bin" / "pagellm").exists():
+        pytest.skip("the script runs the repo's .venv (make test makes it)")
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"meta": {"output_len": 4}, "prompts": [[1, 2, 3, 4, 5], [6, 7, 8]]}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PEERS=str(tmp_path / "no-peers"), ROUNDS="2", SETTLE="0", WARMUP=str(workload),
+               PORT=str(port))
+    proc = subprocess.run(["bench/compare_serve.sh", str(workload), "float32"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 2 and all(r["engine"] == "pagellm" and r["completed"] == 2 and r["failed"] == 0 for r in runs)
+    assert all(r["output_tokens"] == 8 for r in runs)
+    assert "pagellm: 2 runs" in proc.stdout and "vLLM-cpu skipped" in proc.stderr
+    with socket.socket() as s:  # the server is gone: its port is free again
+        s.bind(("127.0.0.1", port))

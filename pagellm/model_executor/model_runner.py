@@ -61,16 +61,12 @@ class ModelRunner:
         self.sampler = Sampler(model.ops)
         self.supports_cascade = model.supports_cascade and dtype == torch.bfloat16
 
-    def prefault_blocks(self, first_unused: int, max_blocks: int) -> int:
+    def prefault_blocks(self, first_unused: int, max_blocks: int) -> None:
         """Map up to max_blocks more blocks of the cache by writing zeros into them, starting past both those
-        mapped so far and first_unused (the pool has never handed out a block from there on, so none holds data);
-        returns how many were mapped (0: all are)."""
-        lo = max(self.mapped_blocks, first_unused)
-        hi = min(self.kv_cache.shape[2], lo + max(0, max_blocks))
-        if hi > lo:
-            self.kv_cache[:, :, lo:hi].zero_()
-        self.mapped_blocks = max(self.mapped_blocks, hi)
-        return max(0, hi - lo)
+        mapped so far and first_unused (the pool has never handed out a block from there on, so none holds data)."""
+        lo = max(self.mapped_blocks, first_unused)  # <= the block count: first_unused is a block id + 1
+        self.mapped_blocks = min(self.kv_cache.shape[2], lo + max_blocks)
+        self.kv_cache[:, :, lo:self.mapped_blocks].zero_()
 
     def swap(self, so: SchedulerOutput) -> None:
         """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""

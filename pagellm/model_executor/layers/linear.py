@@ -62,6 +62,9 @@ A weight loaded from a GGUF file's Q4_x / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K block
 layers/quantized.py), and up to GEMV_MAX_ROWS rows the kernel on them (``csrc/gguf_linear_cpu.cpp``) comes first:
 6-10 bits a weight to stream against bf16's 16, each weight its exact fp32 value (single-request TPOT 0.61-0.73x on
 the AMX-less VM with the default model's Q4_1 / Q8_0).
+With AMX, a 4-bit weight (Q4_0, Q4_1, Q4_K) also takes the tile kernel on its nibbles from there up to
+AMX_Q4_MAX_ROWS rows (``csrc/amx_q4_panels.h``, ``pack_amx_q4``): each B tile rebuilt in bf16 just before its
+multiplies, bit for bit amx_linear's output on the loaded bf16 weight, from 6 bits a weight read instead of 16.
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ logger = logging.getLogger("pagellm")
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
+AMX_Q4_MAX_ROWS = 64  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -103,6 +107,7 @@ class CPUKernels:
     screen_argmax: Callable | None = None
     screen_pack: Callable | None = None
     screen_amx: Callable | None = None  # torch.ops.pagellm.argmax_screen_amx (with amx and AMX-INT8): the same
+    amx_q4: Callable | None = None  # torch.ops.pagellm.amx_q4_linear (with amx and gguf): 4-bit weights' nibbles
 
     @property
     def name(self) -> str:
@@ -159,6 +164,8 @@ class CPULinear(nn.Module):
         self.kernels = kernels
         # the weight in a GGUF file's blocks where it came from one (set_gguf): the kernel for up to GEMV_MAX_ROWS rows
         self.gguf: GGUFWeight | GGUFParts | None = None
+        # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
+        self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -204,12 +211,18 @@ class CPULinear(nn.Module):
 
     def set_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
         """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
-        shapes match; returns whether it will."""
+        shapes match, and, a 4-bit weight with AMX, its nibbles up to AMX_Q4_MAX_ROWS; returns whether it will."""
         if (q is None or self.kernels.gguf is None or q.shape != tuple(self.weight.shape)
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
         self.gguf = q
+        if self.amx is not None and self.kernels.amx_q4 is not None and isinstance(q, GGUFWeight) and q.kind == "q4_1":
+            self.amx_q4 = q.pack_amx_q4()
         return True
+
+    def _takes_amx_q4(self, x: torch.Tensor) -> bool:
+        return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS
+                and x.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -220,6 +233,10 @@ class CPULinear(nn.Module):
                     n = q.shape[0]
                     bias = None if self.bias is None else self.bias[col:col + n]
                     self.kernels.gguf(x, q.qs, q.scales, bias, out[:, col:col + n])
+                return out
+            if self._takes_amx_q4(x):
+                out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+                self.kernels.amx_q4(x, *self.amx_q4, self.bias, out, False)
                 return out
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -286,7 +303,10 @@ class CPULinear(nn.Module):
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
             return None
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        self.tiled_silu_mul(x, self.amx_weight, self.bias, out, *self.tiled_args)
+        if self._takes_amx_q4(x):
+            self.kernels.amx_q4(x, *self.amx_q4, self.bias, out, True)
+        else:
+            self.tiled_silu_mul(x, self.amx_weight, self.bias, out, *self.tiled_args)
         return out
 
 
@@ -310,6 +330,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
+    amx_q4 = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
@@ -317,6 +338,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
                 amx_argmax = ops.amx_linear_argmax.default
+                amx_q4 = ops.amx_q4_linear.default if gguf and ops.amx_q4_linear_supported() else None
                 if ops.argmax_screen_amx_supported():
                     screen_amx, screen_pack = ops.argmax_screen_amx.default, ops.argmax_screen_pack.default
             elif ops.fma_linear_supported():
@@ -331,7 +353,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack, screen_amx)
+                         screen, screen_pack, screen_amx, amx_q4)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -142,6 +142,23 @@ class GGUFWeight:
     def shape(self) -> tuple[int, int]:
         return self.qs.shape[0], self.qs.shape[1] * 32
 
+    def pack_amx_q4(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A q4_1 weight in the AMX decode kernel's layout (``csrc/amx_q4_panels.h``): nibbles uint8
+        [ceil(N/16), K/32, 16, 16], byte b of k-pair row p holding column b // 2 (low nibble) and 8 + b // 2 (high)
+        at depth 2p + b % 2; scales fp32 [ceil(N/16), K/32, 2, 16] (d, then m, per column). Columns past N: zeros."""
+        if self.kind != "q4_1":
+            raise ValueError(f"pack_amx_q4 takes the q4_1 layout, not {self.kind}")
+        n, kc = self.qs.shape[0], self.qs.shape[1]
+        tiles = -(-n // 16)
+        q = torch.zeros(tiles * 16, kc, 32, dtype=torch.uint8)
+        q[:n] = _nibbles(self.qs)
+        sc = torch.zeros(tiles * 16, kc, 2, dtype=torch.float32)
+        sc[:n] = self.scales
+        # [tile, n, kc, p, j] -> [tile, kc, p, lane = 2 n + j]; lanes 0-15 in the low nibbles, 16-31 in the high
+        lanes = q.view(tiles, 16, kc, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, kc, 16, 32)
+        q4 = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+        return q4, sc.view(tiles, 16, kc, 2).permute(0, 2, 3, 1).contiguous()
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight, as the kernel computes each weight (and ``gguf.quants.dequantize``)."""
         if self.kind == "q4_1":

@@ -33,6 +33,12 @@
 // each item computes gate's block and up's block of the same columns and writes only their product, so the
 // 2I-wide gate_up never goes to memory (at 2,048 rows its stores made the GEMM ~1.6x slower than the same
 // multiplies writing to one L1-resident row) and no separate pass reads it back.
+// amx_q4_linear runs the column-major order on a 4-bit GGUF weight kept as nibbles (amx_q4_panels.h): each item's
+// first row block rebuilds the block's bf16 panels two k-steps ahead of its tile loads, into a per-thread buffer
+// the later row blocks read; the next block's nibbles and scales are prefetched instead of its panels. In the
+// engine (workload_64's prompts, decode steps alternating in pairs between the two, medians of 116): 8 rows 14.4
+// against 16.6 ms a step, 16 rows 17.8 against 19.7, 32 rows 27.3 against 28.8, 48 rows 36.0 against 37.2, 64
+// rows 47.3-49.1 against 47.7-49.7 (four runs).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,6 +51,8 @@
 #include <vector>
 
 #include "amx.h"
+#include "amx_linear_epilogue.h"
+#include "amx_q4_panels.h"
 #include "split_work.h"
 #include "tile_linear.h"
 #include "vec.h"
@@ -54,6 +62,9 @@ using namespace pagellm;
 using bf16 = c10::BFloat16;
 
 #if defined(PAGELLM_AMX)
+using amx_epilogue::Best;
+using amx_epilogue::Epilogue;
+
 constexpr int64_t kRowChunk = 256;
 // Row-major order (row_block): x's 32 rows held in L1 in parts of at most kResidentSteps 32-deep steps (36 KiB),
 // for calls of at least kRowMajorRows rows per part.
@@ -74,9 +85,12 @@ inline int64_t k_parts(int64_t kc_n) { return (kc_n + kResidentSteps - 1) / kRes
 // pf, pf_bytes: a slice of the next column block's panels, fetched into L2 alongside, evenly over the k-steps.
 // between(kc, kc_n) runs after each k-step's multiplies are issued: the previous block's epilogue, a slice at a
 // time, so its vector work overlaps this block's tile multiplies.
-template <int MB, int NB, bool StreamB, typename Between>
+// produce(kc) writes w's tiles of k-step kc before they are loaded (amx_q4_linear's rebuilt panels; a no-op
+// otherwise), two steps ahead, so that its stores drain before the tile loads read them and its vector work runs
+// while the tile multiplies of the steps before do.
+template <int MB, int NB, bool StreamB, typename Between, typename Produce>
 void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64_t kc_n, const char* pf,
-           int64_t pf_bytes, const float* cin, float* c, Between&& between) {
+           int64_t pf_bytes, const float* cin, float* c, Between&& between, Produce&& produce) {
   const int64_t pf_step = ((pf_bytes + kc_n - 1) / kc_n + 63) / 64 * 64;  // whole lines per k-step
   if (cin) {
     _tile_loadd(0, cin, 128);
@@ -90,6 +104,8 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
     if (MB > 1 && NB > 1) _tile_zero(3);
   }
   const int64_t sa0 = lda[0] * 2, sa1 = lda[1] * 2;
+  produce(0);
+  if (kc_n > 1) produce(1);
   _tile_loadd(4, a[0], sa0);
   PAGELLM_LOAD_B(6, StreamB, b[0]);
   if (NB > 1) PAGELLM_LOAD_B(7, StreamB, b[1]);
@@ -101,6 +117,7 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
       _mm_prefetch(pf + o, _MM_HINT_T1);
     _tile_dpbf16ps(0, 4, 6);
     if (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if (kc + 2 < kc_n) produce(kc + 2);
     if (more) _tile_loadd(4, a[0] + ka, sa0);
     if (MB > 1) {
       _tile_dpbf16ps(2, 5, 6);
@@ -120,84 +137,17 @@ void block(const bf16* const* a, const int64_t* lda, const bf16* const* b, int64
 }
 
 // block() for mt row tiles and nt column tiles (1 or 2 each).
-template <bool StreamB, typename Between>
+template <bool StreamB, typename Between, typename Produce>
 void dispatch_block(int64_t mt, int64_t nt, const bf16* const* a, const int64_t* lda, const bf16* const* b,
-                    int64_t kc_n, const char* pf, int64_t pf_bytes, const float* cin, float* c, Between&& between) {
-  if (mt == 2 && nt == 2) block<2, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
-  else if (mt == 2) block<2, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
-  else if (nt == 2) block<1, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
-  else block<1, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between);
+                    int64_t kc_n, const char* pf, int64_t pf_bytes, const float* cin, float* c, Between&& between,
+                    Produce&& produce) {
+  if (mt == 2 && nt == 2) block<2, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between, produce);
+  else if (mt == 2) block<2, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between, produce);
+  else if (nt == 2) block<1, 2, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between, produce);
+  else block<1, 1, StreamB>(a, lda, b, kc_n, pf, pf_bytes, cin, c, between, produce);
 }
 
-// The epilogue of one 32 x 32 block of y from its fp32 block c [32][32] (+ bias): y = bf16(c), or, for
-// silu_mul, y = silu(g) * u from gate's block c and up's block cu, each first rounded to bf16 (+ bias: gate's at
-// n0, up's at up_n0), so the result is bit for bit silu_and_mul's on the bf16 gate_up the plain epilogue would
-// have written (they share vec.h's silu16). Written a few rows at a time (rows_to), between the next block's tile
-// multiplies, so its vector work overlaps them: the product's epilogue took ~40% of gate/up's time when it ran
-// after the block. SmolLM2's shapes at 2,048 rows, 30 paired runs against the epilogue after the block: gate/up
-// with the product 0.91x the time, qkv 0.95x, o and down ~1.0x; at 64 rows 0.97-1.0x.
-// A row's largest output so far and its column (argmax: the first on ties, the first NaN over any number).
-struct Best {
-  float v = -std::numeric_limits<float>::infinity();
-  int64_t i = std::numeric_limits<int64_t>::max();  // max: no column seen
-
-  // Takes (v, i) if it comes first in torch.argmax's order: NaN above all, then larger, then lower index.
-  void offer(float value, int64_t index) {
-    const bool nan = std::isnan(value), have_nan = std::isnan(v);
-    if (nan != have_nan ? nan : (nan ? index < i : value > v || (value == v && index < i))) v = value, i = index;
-  }
-};
-
-struct Epilogue {
-  const float* c = nullptr;
-  const float* cu = nullptr;  // silu_mul: up's block
-  int64_t rows = 0, done = 0, n0 = 0, up_n0 = 0, cols = 0;
-  const bf16* bias = nullptr;
-  bf16* y = nullptr;  // the block's first row
-  int64_t ldy = 0;
-  Best* best = nullptr;  // argmax: the block's first row's entry (y unused)
-
-  void rows_to(int64_t end) {
-    for (end = std::min(end, rows); done < end; ++done) best ? argmax_row(done) : cu ? silu_row(done) : plain_row(done);
-  }
-
- private:
-  void plain_row(int64_t m) const {
-    const float* cm = c + m * 32;
-    bf16* ym = y + m * ldy + n0;
-    int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      __m512 v = _mm512_loadu_ps(cm + j);
-      if (bias) v = _mm512_add_ps(v, load16(bias + n0 + j));
-      store16(ym + j, v);
-    }
-    for (; j < cols; ++j) ym[j] = static_cast<bf16>(cm[j] + (bias ? to_float(bias[n0 + j]) : 0.f));
-  }
-  // The row's block as plain_row would store it (bf16, no bias: amx_linear_argmax checks), offered to its Best.
-  void argmax_row(int64_t m) const {
-    for (int64_t j = 0; j < cols; j += 16) {
-      const __mmask16 k = cols - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 v = round_to(_mm512_maskz_loadu_ps(k, c + m * 32 + j), static_cast<const bf16*>(nullptr));
-      const __mmask16 nan = _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
-      if (nan) {
-        best[m].offer(std::numeric_limits<float>::quiet_NaN(), n0 + j + __builtin_ctz(nan));
-        continue;
-      }
-      const float top = _mm512_mask_reduce_max_ps(k, v);
-      const __mmask16 at = _mm512_mask_cmp_ps_mask(k, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
-      best[m].offer(top, n0 + j + __builtin_ctz(at));
-    }
-  }
-  void silu_row(int64_t m) const {  // cols is a multiple of 16 (amx_linear_silu_mul checks)
-    bf16* ym = y + m * ldy + n0;
-    for (int64_t j = 0; j < cols; j += 16) {
-      __m512 g = _mm512_loadu_ps(c + m * 32 + j), u = _mm512_loadu_ps(cu + m * 32 + j);
-      if (bias) g = _mm512_add_ps(g, load16(bias + n0 + j)), u = _mm512_add_ps(u, load16(bias + up_n0 + j));
-      g = round_to(g, ym), u = round_to(u, ym);
-      store16(ym + j, _mm512_mul_ps(round_to(silu16(g), ym), u));
-    }
-  }
-};
+constexpr auto kNoProduce = [](int64_t) {};
 
 // One call's operands. Plain: y [M, N] = x @ w^T. silu_mul: w holds [gate | up] (2 * N columns, N % 16 == 0),
 // up's first 16-column panel is panel up_tile = N / 16, and y [M, N] = silu(x @ gate^T) * (x @ up^T).
@@ -213,6 +163,9 @@ struct Gemm {
   int64_t ldy;
   int64_t blocks;  // y's 32-column blocks
   Best* best = nullptr;  // argmax: [threads][M], each thread's rows (y unused)
+  // amx_q4_linear: w as nibbles and scales (amx_q4_panels.h) instead of bp, each block's panels rebuilt per item
+  const uint8_t* q4 = nullptr;
+  const float* q4_scales = nullptr;
 };
 
 // Rows [mc, mc_end) of y's column block nb (32 columns); next_nb: the block this thread runs next (-1: none),
@@ -220,20 +173,35 @@ struct Gemm {
 // c, cu: two [32][32] fp32 blocks each (cu: up's, silu_mul only): row block r's epilogue reads slot r % 2 while
 // row block r + 1 computes into the other.
 void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t next_nb, const bf16* tail,
-                  float* c, float* cu, Best* best) {
+                  float* c, float* cu, Best* best, bf16* panels) {
   const int64_t full = g.M / 16 * 16, K = g.kc_n * 32;
   const int64_t panel = g.kc_n * 512, tiles_n = (g.N + 15) / 16;
   const int64_t t0 = nb * 2, nt = std::min<int64_t>(2, tiles_n - t0), n0 = t0 * 16;
   const int64_t cols = std::min<int64_t>(32, g.N - n0);
   const bool silu = g.up_tile > 0;
-  const bf16* b[2] = {g.bp + t0 * panel, g.bp + (t0 + nt - 1) * panel};
-  const bf16* bu[2] = {b[0] + g.up_tile * panel, b[1] + g.up_tile * panel};
-  // The next block's panels (each block's panels are contiguous; silu_mul: gate's, then up's), a slice per row
-  // block and operand.
-  const char* next = next_nb >= 0 ? reinterpret_cast<const char*>(g.bp + next_nb * 2 * panel) : nullptr;
-  const int64_t up_offset = g.up_tile * panel * static_cast<int64_t>(sizeof(bf16));
+  // w's panels of this block: packed at load, or (q4) rebuilt here from its nibbles into panels, [gate's 2][up's 2]
+  const bf16* w0 = g.q4 ? nullptr : g.bp + t0 * panel;
+  const bf16* wu = g.q4 ? nullptr : w0 + g.up_tile * panel;
+  // bytes of w's stored form a panel (each block's are contiguous; silu_mul: gate's, then up's, up_tile panels on)
+  const int64_t stored = g.q4 ? g.kc_n * kQ4TileBytes : panel * static_cast<int64_t>(sizeof(bf16));
+  const char* base = g.q4 ? reinterpret_cast<const char*>(g.q4) : reinterpret_cast<const char*>(g.bp);
+#if defined(PAGELLM_AMX_Q4)
+  if (g.q4) {
+    if (next_nb >= 0)  // the next block's scales (its nibbles come with the slices below)
+      for (int64_t u = 0; u < (silu ? 2 : 1); ++u) {
+        const char* s = reinterpret_cast<const char*>(g.q4_scales + (next_nb * 2 + u * g.up_tile) * g.kc_n * 32);
+        for (int64_t o = 0; o < 2 * g.kc_n * 128; o += 64) _mm_prefetch(s + o, _MM_HINT_T1);
+      }
+    w0 = panels, wu = panels + 2 * panel;
+  }
+#endif
+  const bf16* b[2] = {w0, w0 + (nt - 1) * panel};
+  const bf16* bu[2] = {wu, wu + (nt - 1) * panel};
+  // The next block's panels (or nibbles), a slice per row block and operand.
+  const char* next = next_nb >= 0 ? base + next_nb * 2 * stored : nullptr;
+  const int64_t up_offset = g.up_tile * stored;
   const int64_t next_tiles = next_nb >= 0 ? std::min<int64_t>(next_nb * 2 + 2, tiles_n) - next_nb * 2 : 0;
-  const int64_t next_bytes = next_tiles * panel * static_cast<int64_t>(sizeof(bf16));
+  const int64_t next_bytes = next_tiles * stored;
   const int64_t row_blocks = (mc_end - mc + 31) / 32;
   Epilogue prev;  // the previous row block's (rows = 0: none)
   for (int64_t m0 = mc; m0 < mc_end; m0 += 32) {
@@ -253,16 +221,31 @@ void column_block(const Gemm& g, int64_t mc, int64_t mc_end, int64_t nb, int64_t
     const int64_t i = (m0 - mc) / 32, lo = next_bytes * i / row_blocks / 64 * 64;
     const int64_t hi = i + 1 == row_blocks ? next_bytes : next_bytes * (i + 1) / row_blocks / 64 * 64;
     const int64_t slot = i % 2 * 1024;
-    // run(w, pf, out, from, to): the block against panels w into out, with rows [from, to) of prev's epilogue
-    auto run = [&](const bf16* const* w, const char* pf, float* out, int64_t from, int64_t to) {
+    // run(w, pf, out, from, to, t, dst): the block against panels w into out, with rows [from, to) of prev's
+    // epilogue; q4: the first row block rebuilds the panels of tiles t, t + 1 into dst (= w[0]) as it goes
+    auto run = [&](const bf16* const* w, const char* pf, float* out, int64_t from, int64_t to, int64_t t,
+                   bf16* dst) {
       auto between = [&](int64_t kc, int64_t kc_n) { prev.rows_to(from + (to - from) * (kc + 1) / kc_n); };
-      dispatch_block<false>(mt, nt, a, ld, w, g.kc_n, pf + lo, hi - lo, nullptr, out, between);
+#if defined(PAGELLM_AMX_Q4)
+      if (g.q4 && m0 == mc) {
+        auto produce = [&](int64_t kc) {
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t tile = (t + j) * g.kc_n + kc;
+            q4_tile(g.q4 + tile * kQ4TileBytes, g.q4_scales + tile * kQ4ScaleFloats, dst + (j * g.kc_n + kc) * 512);
+          }
+        };
+        dispatch_block<false>(mt, nt, a, ld, w, g.kc_n, pf + lo, hi - lo, nullptr, out, between, produce);
+        return;
+      }
+#endif
+      dispatch_block<false>(mt, nt, a, ld, w, g.kc_n, pf + lo, hi - lo, nullptr, out, between, kNoProduce);
     };
     if (silu) {
-      run(b, next, c + slot, 0, prev.rows / 2);
-      run(bu, next ? next + up_offset : nullptr, cu + slot, prev.rows / 2, prev.rows);
+      run(b, next, c + slot, 0, prev.rows / 2, t0, panels);
+      run(bu, next ? next + up_offset : nullptr, cu + slot, prev.rows / 2, prev.rows, t0 + g.up_tile,
+          panels ? panels + 2 * panel : nullptr);
     } else {
-      run(b, next, c + slot, 0, prev.rows);
+      run(b, next, c + slot, 0, prev.rows, t0, panels);
     }
     prev = Epilogue{c + slot, silu ? cu + slot : nullptr, rows, 0, n0, g.up_tile * 16 + n0, cols, g.bias,
                     g.y + m0 * g.ldy, g.ldy, best ? best + m0 : nullptr};
@@ -303,7 +286,8 @@ void row_block(const Gemm& g, int64_t m0, int64_t nb0, int64_t nb1, const bf16* 
       float* pg = parts > 1 ? part + (nb - nb0) * 2048 : nullptr;  // this block's partial sums: gate's (or plain), up's
       auto run = [&](const bf16* const* w, float* pw, float* out, int64_t from, int64_t to) {
         auto between = [&](int64_t kc, int64_t kc_n) { prev.rows_to(from + (to - from) * (kc + 1) / kc_n); };
-        dispatch_block<true>(mt, nt, a, ld, w, kn, nullptr, 0, first ? nullptr : pw, last ? out : pw, between);
+        dispatch_block<true>(mt, nt, a, ld, w, kn, nullptr, 0, first ? nullptr : pw, last ? out : pw, between,
+                             kNoProduce);
       };
       if (silu) {
         run(b, pg, c + slot, 0, prev.rows / 2);
@@ -335,6 +319,10 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, int64_t groups
   }
   Best* best = g.best ? g.best + at::get_thread_num() * g.M : nullptr;
   const int64_t row_blocks = (g.M + 31) / 32;
+  // q4: a block's rebuilt panels, gate's and up's (64-byte aligned for the tile loads)
+  std::unique_ptr<char[]> panel_mem(g.q4 ? new char[4 * g.kc_n * 1024 + 64] : nullptr);
+  bf16* panels = g.q4 ? reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(panel_mem.get()) + 63) / 64 * 64)
+                      : nullptr;
   std::unique_ptr<float[]> part;  // row-major, K split: [column block][gate, up][32][32] partial sums
   for (int64_t k = 0; k < hi - lo; ++k) {
     const int64_t u = ascending ? lo + k : hi - 1 - k;
@@ -348,7 +336,7 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, int64_t groups
     }
     const int64_t mc = u / g.blocks * kRowChunk, nb = u % g.blocks, next = ascending ? nb + 1 : nb - 1;
     column_block(g, mc, std::min(g.M, mc + kRowChunk), nb, next >= 0 && next < g.blocks ? next : -1, tail.get(),
-                 c, cu, best);
+                 c, cu, best, panels);
   }
   _tile_release();
 }
@@ -356,7 +344,7 @@ void items(const Gemm& g, int64_t lo, int64_t hi, bool ascending, int64_t groups
 void run(Gemm g) {
   const int64_t chunks = (g.M + kRowChunk - 1) / kRowChunk;
   g.blocks = (g.N + 31) / 32;
-  if (g.M >= kRowMajorRows * k_parts(g.kc_n)) {
+  if (g.M >= kRowMajorRows * k_parts(g.kc_n) && !g.q4) {
     // w's column groups of at most ~1 MiB of panels (gate/up: both), each in L2 while the row blocks pass
     const int64_t block_bytes = g.kc_n * 2048 * (g.up_tile > 0 ? 2 : 1);
     const int64_t per_group = std::max<int64_t>(1, (int64_t{1} << 20) / block_bytes);
@@ -447,7 +435,50 @@ void amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 #endif
 }
 
+bool amx_q4_linear_supported() {
+#if defined(PAGELLM_AMX_Q4)
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// amx_linear (silu_mul: amx_linear_silu_mul, out [M, N / 2]) with w [N, K] as nibbles and scales (amx_q4_panels.h:
+// q4 uint8 [ceil(N/16), K/32, 16, 16], scales fp32 [ceil(N/16), K/32, 2, 16]): the same bits as those on the bf16
+// weight the loader dequantizes, reading 6 bits a weight instead of 16. Decode-sized calls: every call runs
+// column-major, each block's panels rebuilt once per 256-row chunk.
+void amx_q4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul) {
+  TORCH_CHECK(amx_q4_linear_supported(), "amx_q4_linear needs AMX-BF16 and AVX512-BF16");
+  TORCH_CHECK(q4.dim() == 4 && q4.is_contiguous() && q4.scalar_type() == at::kByte && q4.size(2) == 16 &&
+              q4.size(3) == 16 && q4.size(1) * 32 == x.size(1), "q4: uint8 [N/16, K/32, 16, 16]");
+  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+              scales.size(0) == q4.size(0) && scales.size(1) == q4.size(1) && scales.size(2) == 2 &&
+              scales.size(3) == 16, "scales: float32 [N/16, K/32, 2, 16]");
+  const int64_t n = silu_mul ? 2 * out.size(1) : out.size(1);
+  TORCH_CHECK(!silu_mul || out.size(1) % 16 == 0, "amx_q4_linear: the intermediate size (", out.size(1),
+              ") must be a multiple of 16");
+  // the shape checks of the packed form, on a [N/16, K/32, 16, 16, 2] view of q4's shape
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
+  TORCH_CHECK(x.size(0) >= 1 && out.size(0) == x.size(0) && (n + 15) / 16 == q4.size(0),
+              "out: [M, N] with M >= 1 rows, N matching q4");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kBFloat16,
+                "bias: bfloat16 [", n, "]");
+#if defined(PAGELLM_AMX_Q4)
+  const bool has_bias = bias.has_value() && bias->defined();
+  Gemm g{x.data_ptr<bf16>(), x.stride(0), x.size(0), nullptr, q4.size(1), out.size(1), silu_mul ? out.size(1) / 16 : 0,
+         has_bias ? bias->data_ptr<bf16>() : nullptr, out.data_ptr<bf16>(), out.stride(0), 0};
+  g.q4 = q4.data_ptr<uint8_t>(), g.q4_scales = scales.data_ptr<float>();
+  run(g);
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("amx_q4_linear(Tensor x, Tensor q4, Tensor scales, Tensor? bias, Tensor(a!) out, bool silu_mul) -> ()");
+  m.impl("amx_q4_linear", c10::DispatchKey::CPU, &amx_q4_linear);
+  m.def("amx_q4_linear_supported() -> bool", [] { return amx_q4_linear_supported(); });
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.impl("amx_linear", c10::DispatchKey::CPU, &amx_linear);
   m.def("amx_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");

@@ -44,6 +44,7 @@ struct Linear {
   // a GGUF's quants (layers/quantized.py: GGUFWeight), none if empty; several parts for a fused weight of mixed
   // layouts (GGUFParts), each into the next columns of the output
   std::vector<at::Tensor> gguf_qs, gguf_scales;
+  at::Tensor q4, q4_scales;  // a 4-bit GGUF weight's nibbles for AMX (amx_q4_panels.h), undefined if none
 };
 
 struct Layer {
@@ -57,12 +58,12 @@ class LlamaDecoder : public torch::CustomClassHolder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows,
-               bool attention_fp16_sums, bool fma_dot)
+               bool attention_fp16_sums, bool fma_dot, int64_t amx_q4_max_rows)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
         fp16_sums_(attention_fp16_sums), fma_dot_(fma_dot), amx_(amx_linear_supported()),
         gemv_max_rows_(!amx_ && !fma_dot && small_m_linear_supported() ? gemv_max_rows : 0),
-        gguf_max_rows_(gemv_max_rows) {
+        gguf_max_rows_(gemv_max_rows), amx_q4_max_rows_(amx_ ? amx_q4_max_rows : 0) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16, AVX-512 or AVX2 with FMA");
   }
 
@@ -97,6 +98,15 @@ class LlamaDecoder : public torch::CustomClassHolder {
     Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
     TORCH_CHECK(!l.gguf_qs.empty(), "add_gguf_part: the linear has no first part");
     l.gguf_qs.push_back(qs), l.gguf_scales.push_back(scales);
+  }
+
+  // Linear `which` (0-3) of the last layer added takes amx_q4_linear on these nibbles and scales past
+  // gguf_max_rows rows, up to amx_q4_max_rows (layers/linear.py: CPULinear.amx_q4).
+  void set_amx_q4(int64_t which, at::Tensor q4, at::Tensor scales) {
+    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_amx_q4: a linear (0-3) of an added layer");
+    Layer& L = layers_.back();
+    Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+    l.q4 = q4, l.q4_scales = scales;
   }
 
   // The per-layer views of the KV cache, [NB, Hkv, D/x, B, x] and [NB, Hkv, B/x, D, x] (cpu_attention.views; x = 2
@@ -217,6 +227,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   bool takes_gguf(const Linear& l, int64_t rows) const { return !l.gguf_qs.empty() && rows <= gguf_max_rows_; }
+  bool takes_q4(const Linear& l, int64_t rows) const {
+    return l.q4.defined() && rows > gguf_max_rows_ && rows <= amx_q4_max_rows_;
+  }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
@@ -229,6 +242,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
         gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p], bias, out.narrow(1, col, n));
         col += n;
       }
+    } else if (takes_q4(l, x.size(0))) {
+      PAGELLM_RANGE("pagellm::amx_q4_linear");
+      amx_q4_linear(x, l.q4, l.q4_scales, l.bias, out, false);
     } else if (x.size(0) <= gemv_max_rows_) {
       PAGELLM_RANGE("pagellm::small_m_linear");
       small_m_linear(x, l.weight, l.bias, out);
@@ -253,7 +269,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
     if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0 && !takes_gguf(l, T)) {
-      if (amx_) {
+      if (takes_q4(l, T)) {
+        PAGELLM_RANGE("pagellm::amx_q4_linear_silu_mul");
+        amx_q4_linear(h, l.q4, l.q4_scales, l.bias, act, true);
+      } else if (amx_) {
         PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
         amx_linear_silu_mul(h, l.packed, l.bias, act);
       } else {
@@ -284,6 +303,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   bool amx_prefill_ = false;  // the AMX prefill attention kernel (bind_cache)
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX or the dot products; 0: never)
   int64_t gguf_max_rows_;  // a linear with GGUF blocks takes them up to this many rows (CPULinear's GEMV_MAX_ROWS)
+  int64_t amx_q4_max_rows_;  // and one with AMX nibbles those up to this many (CPULinear's AMX_Q4_MAX_ROWS)
   std::vector<Layer> layers_;
 };
 
@@ -291,9 +311,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool, bool,
+                       int64_t>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
+      .def("set_amx_q4", &LlamaDecoder::set_amx_q4)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);
 }

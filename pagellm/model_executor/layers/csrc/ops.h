@@ -16,6 +16,9 @@ bool amx_linear_supported();
 void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor out);
 void amx_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          at::Tensor out);
+bool amx_q4_linear_supported();
+void amx_q4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul);
 bool small_m_linear_supported();
 void small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor out);
 bool gguf_linear_supported();

@@ -245,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         self.fast_lm_head.enable_argmax_screen()
         self.linear_kernels = kernels.name
         if quantized and self._use_gguf_blocks(quantized):
-            self.linear_kernels += "+gguf"
+            nibbles = any(isinstance(m, CPULinear) and m.amx_q4 is not None for m in self.layers.modules())
+            self.linear_kernels += "+amx_q4+gguf" if nibbles else "+gguf"
         self.decoder = self._build_decoder(kernels)
 
     def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:

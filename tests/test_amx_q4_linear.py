@@ -133,8 +133,8 @@ def test_the_engine_decodes_batches_on_it_with_the_same_logprobs(gguf_llm):
 
 @needs_amx
 def test_cpu_linear_routes_rows_past_the_gguf_kernel_to_it():
-    # CPULinear (the Python loop's linear): a Q4_1 weight holds its nibbles after set_gguf; 5-64 rows take them (the
-    # same bits as the packed bf16 weight, plain and silu * up), 1-4 rows the GGUF kernel, 65 the bf16 panels.
+    # CPULinear (the Python loop's linear): a Q4_1 weight holds its nibbles after set_gguf; 5-128 rows take them (the
+    # same bits as the packed bf16 weight, plain and silu * up), 1-4 rows the GGUF kernel, 129 the bf16 panels.
     # A Q8_0 weight keeps no nibbles.
     from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
 
@@ -143,7 +143,7 @@ def test_cpu_linear_routes_rows_past_the_gguf_kernel_to_it():
     q = GGUFWeight.from_blocks("Q4_1", raw)
     lin = CPULinear(loader_weight("Q4_1", raw), None, kernels)
     assert lin.set_gguf(q) and lin.amx_q4 is not None
-    for rows in (4, 5, 37, 64, 65):
+    for rows in (4, 5, 37, 128, 129):
         x = torch.randn(rows, 256).bfloat16()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             got, got_act = lin(x), lin.silu_and_mul(x)

@@ -84,7 +84,7 @@ logger = logging.getLogger("pagellm")
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
-AMX_Q4_MAX_ROWS = 64  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
+AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 

@@ -38,7 +38,7 @@
 // the later row blocks read; the next block's nibbles and scales are prefetched instead of its panels. In the
 // engine (workload_64's prompts, decode steps alternating in pairs between the two, medians of 116): 8 rows 14.4
 // against 16.6 ms a step, 16 rows 17.8 against 19.7, 32 rows 27.3 against 28.8, 48 rows 36.0 against 37.2, 64
-// rows 47.3-49.1 against 47.7-49.7 (four runs).
+// rows 43.3-49.1 against 45.2-49.7 (five runs), 96 rows 60.0 against 64.2, 128 rows 74.5 against 80.0.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -244,7 +244,9 @@ def test_prefault_kv_cache_maps_only_never_used_blocks(tiny_checkpoint):
     while eng.prefault_kv_cache(runner.bytes_per_block * 3):
         calls += 1
     assert runner.mapped_blocks == total and calls >= (total - used) // 3 - 1
-    assert torch.equal(runner.kv_cache[:, :, :used], before)
+    # bit patterns, not values: slots past a context were never written and hold what the allocator left there,
+    # which may read as NaN (unequal to itself)
+    assert torch.equal(runner.kv_cache[:, :, :used].view(torch.int32), before.view(torch.int32))
     assert not eng.prefault_kv_cache(2**20), "nothing is left to map"
     got = None
     while eng.has_unfinished_requests():

@@ -450,22 +450,17 @@ bool amx_q4_linear_supported() {
 void amx_q4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul) {
   TORCH_CHECK(amx_q4_linear_supported(), "amx_q4_linear needs AMX-BF16 and AVX512-BF16");
+  TORCH_CHECK(out.dim() == 2 && (!silu_mul || out.size(1) % 16 == 0),
+              "amx_q4_linear: out [M, N]; the intermediate size (", out.dim() == 2 ? out.size(1) : -1,
+              ") must be a multiple of 16");
+  const int64_t n = silu_mul ? 2 * out.size(1) : out.size(1);
+  check_tile_rows(x, bias, out, n, q4.dim() > 0 ? q4.size(0) : 0, "q4");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
   TORCH_CHECK(q4.dim() == 4 && q4.is_contiguous() && q4.scalar_type() == at::kByte && q4.size(2) == 16 &&
               q4.size(3) == 16 && q4.size(1) * 32 == x.size(1), "q4: uint8 [N/16, K/32, 16, 16]");
   TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
               scales.size(0) == q4.size(0) && scales.size(1) == q4.size(1) && scales.size(2) == 2 &&
               scales.size(3) == 16, "scales: float32 [N/16, K/32, 2, 16]");
-  const int64_t n = silu_mul ? 2 * out.size(1) : out.size(1);
-  TORCH_CHECK(!silu_mul || out.size(1) % 16 == 0, "amx_q4_linear: the intermediate size (", out.size(1),
-              ") must be a multiple of 16");
-  // the shape checks of the packed form, on a [N/16, K/32, 16, 16, 2] view of q4's shape
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "x, out: [M, K], [M, N]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
-  TORCH_CHECK(x.size(0) >= 1 && out.size(0) == x.size(0) && (n + 15) / 16 == q4.size(0),
-              "out: [M, N] with M >= 1 rows, N matching q4");
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kBFloat16,
-                "bias: bfloat16 [", n, "]");
 #if defined(PAGELLM_AMX_Q4)
   const bool has_bias = bias.has_value() && bias->defined();
   Gemm g{x.data_ptr<bf16>(), x.stride(0), x.size(0), nullptr, q4.size(1), out.size(1), silu_mul ? out.size(1) / 16 : 0,

@@ -4,7 +4,8 @@
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
 several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed), and on GGUF
-blocks at 1 and 4 rows against the streaming kernel; the fused
+blocks at 1 and 4 rows against the streaming kernel, and at 8-2,048 rows by the int8 dot-product kernel on 4-bit
+weights (AVX512-VNNI) against the bf16 tile kernels on the same weights dequantized; the fused
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
@@ -30,7 +31,8 @@ from test_gguf_linear import random_blocks  # noqa: E402  (the GGUF tests' block
 from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
-from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels, pack_amx  # noqa: E402
+from pagellm.model_executor.layers.linear import (CPUKernels, CPULinear, cpu_kernels, pack_amx,  # noqa: E402
+                                                  vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight  # noqa: E402
 
 
@@ -202,6 +204,37 @@ def gguf_blocks(ops) -> None:
         del ws, dense
 
 
+def int8_linears(ops) -> None:
+    """SmolLM2's 120 layer linears on random Q4_1 blocks: q4_vnni_linear (x rounded to int8 per 32-deep block but
+    for 8 outlier channels, EngineConfig.gguf_int8_activations; what CPUs without AMX run past 4 rows) against the
+    tile kernels this CPU has on the dequantized bf16 weights (gate/up in their silu(gate) * up forms)."""
+    if not ops.q4_vnni_linear_supported():
+        return
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    ws = [GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=n + k + i)) for i, (n, k) in
+          enumerate(shapes)]
+    int8 = [vnni_q4_form(w) for w in ws]
+    packed = [pack_amx(w.dequantize().bfloat16()) for w in ws]
+    tiles = {}
+    if ops.amx_linear_supported():
+        tiles["amx"] = (ops.amx_linear, ops.amx_linear_silu_mul, ())
+    if ops.fma_linear_supported():
+        tiles["fma"] = (ops.fma_linear, ops.fma_linear_silu_mul, (1.0, 0))
+        if ops.fma_linear_dot_supported():
+            tiles["fma_dot"] = (ops.fma_linear, ops.fma_linear_silu_mul, (1.0, 1))
+    for rows in (8, 64, 256, 2048):
+        xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        outs = [torch.empty(rows, n // 2 if n == 3072 else n, dtype=torch.bfloat16) for n, _ in shapes]
+        fs = {"int8_vnni": lambda: [ops.q4_vnni_linear(xs[w.shape[1]], *q, None, o, w.shape[0] == 3072)
+                                    for w, q, o in zip(ws, int8, outs)]}
+        for name, (lin, silu, args) in tiles.items():
+            fs[name] = lambda lin=lin, silu=silu, args=args: [
+                (silu if w.shape[0] == 3072 else lin)(xs[w.shape[1]], p, None, o, *args)
+                for w, p, o in zip(ws, packed, outs)]
+        emit(bench="120 linears on Q4_1 weights, int8 x against bf16 tiles, ms", rows=rows, **best_ms(fs))
+    del ws, int8, packed
+
+
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm
     res = h + r
     x = res.float()
@@ -245,6 +278,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     linears(ops)
     gguf_blocks(ops)
+    int8_linears(ops)
     small_ops(ops)
     gate_up_silu(ops)
     attention()

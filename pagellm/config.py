@@ -134,6 +134,11 @@ class EngineConfig:
     # (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K: 6-10 bits a weight against bf16's 16) as the exact fp32 weights
     # (layers/quantized.py). False: the dequantized bf16 weights only
     gguf_quantized_linears: bool = True
+    # ... and on CPUs with AVX512-VNNI but no AMX, linears with more rows on a 4-bit weight (Q4_0, Q4_1, Q4_K) take
+    # int8 dot products on its quants, x rounded to int8 per 32-deep block as llama.cpp's Q4 x Q8_1 kernels do:
+    # ~2^-8 relative error per block of x (bf16's own step) for twice the products per instruction on Zen 4 and
+    # four times fp32's on Intel (layers/quantized.py, csrc/q4_vnni_linear_cpu.cpp). False: bf16 x throughout
+    gguf_int8_activations: bool = True
     # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
     # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-
     # 135M), so chunks deep into a long prompt shrink and a step takes about as long whatever the context (the
@@ -171,6 +176,8 @@ class EngineConfig:
                              f"got {self.reduced_precision_reduction!r}")
         if not isinstance(self.gguf_quantized_linears, bool):
             raise ValueError(f"gguf_quantized_linears must be True or False, got {self.gguf_quantized_linears!r}")
+        if not isinstance(self.gguf_int8_activations, bool):
+            raise ValueError(f"gguf_int8_activations must be True or False, got {self.gguf_int8_activations!r}")
         if not isinstance(self.attention_aware_budget, bool):
             raise ValueError(f"attention_aware_budget must be True or False, got {self.attention_aware_budget!r}")
         self.kv_cache_prefault = parse_size(self.kv_cache_prefault, "kv_cache_prefault", allow_zero=True)

@@ -140,7 +140,8 @@ def test_engine_switch_and_agreement_with_fp32(gguf_path, fp32_reference):
     assert "fma_fp16" not in off.llm_engine.model.linear_kernels
     assert not off.llm_engine.model.backend.fp16_sums
     del off
-    llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB")
+    # (without the int8 path of CPUs with AVX512-VNNI but no AMX, whose agreement tests/test_vnni_q4_linear.py holds)
+    llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", gguf_int8_activations=False)
     kernels = llm.llm_engine.model.linear_kernels
     assert ("fma_fp16" in kernels) == (ops.fma_linear_fp16_supported() and not ops.amx_linear_supported())
     # the paged attention kernel's prefill chunks too (tests/test_fp16_attention.py)

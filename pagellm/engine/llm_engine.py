@@ -72,7 +72,8 @@ class LLMEngine:
                                  config.block_size, config.torch_kv_dtype)
         self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev, backend,
                                  config.max_model_len, config.reduced_precision_reduction,
-                                 ckpt.quantized if config.gguf_quantized_linears else None)
+                                 ckpt.quantized if config.gguf_quantized_linears else None,
+                                 config.gguf_int8_activations)
         del ckpt
         self.vocab_size = self.model.shape.vocab_size
         self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)

@@ -24,6 +24,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gguf-quantized-linears", dest="gguf_quantized_linears", action="store_false",
                    help="bf16 from a GGUF file: linears use only the dequantized weights (by default, at up to 4 "
                         "rows they read the file's quants: Q4_x, Q5_x, Q8_0, Q4_K, Q5_K, Q6_K)")
+    p.add_argument("--no-gguf-int8-activations", dest="gguf_int8_activations", action="store_false",
+                   help="bf16 from a 4-bit GGUF file on CPUs with AVX512-VNNI but no AMX: linears keep bf16 inputs "
+                        "(by default, past 4 rows, they take int8 dot products with x rounded to int8 per 32-deep "
+                        "block, as llama.cpp does)")
     p.add_argument("--no-attention-aware-budget", dest="attention_aware_budget", action="store_false",
                    help="every token counts one against --max-num-batched-tokens (by default a prefill chunk's "
                         "attention counts too, so chunks deep into long prompts shrink)")
@@ -42,7 +46,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
                 reduced_precision_reduction=a.reduced_precision_reduction,
-                gguf_quantized_linears=a.gguf_quantized_linears, attention_aware_budget=a.attention_aware_budget,
+                gguf_quantized_linears=a.gguf_quantized_linears,
+                gguf_int8_activations=a.gguf_int8_activations, attention_aware_budget=a.attention_aware_budget,
                 kv_cache_prefault=a.kv_cache_prefault, preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, seed=a.seed)
 

@@ -65,6 +65,10 @@ the AMX-less VM with the default model's Q4_1 / Q8_0).
 With AMX, a 4-bit weight (Q4_0, Q4_1, Q4_K) also takes the tile kernel on its nibbles from there up to
 AMX_Q4_MAX_ROWS rows (``csrc/amx_q4_panels.h``, ``pack_amx_q4``): each B tile rebuilt in bf16 just before its
 multiplies, bit for bit amx_linear's output on the loaded bf16 weight, from 6 bits a weight read instead of 16.
+Without AMX but with AVX512-VNNI, a 4-bit weight takes every row count past GEMV_MAX_ROWS on int8 dot products
+(``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): x rounded to int8 per
+32-deep block, as llama.cpp's Q4 x Q8_1 kernels do, but for INT8_OUTLIER_CHANNELS channels taken exactly; twice
+the dot product's products on Zen 4, four times fp32 FMAs' on Intel.
 """
 from __future__ import annotations
 
@@ -85,6 +89,7 @@ AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
+INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its blocks, per weight (vnni_q4_form)
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -108,6 +113,8 @@ class CPUKernels:
     screen_pack: Callable | None = None
     screen_amx: Callable | None = None  # torch.ops.pagellm.argmax_screen_amx (with amx and AMX-INT8): the same
     amx_q4: Callable | None = None  # torch.ops.pagellm.amx_q4_linear (with amx and gguf): 4-bit weights' nibbles
+    # torch.ops.pagellm.q4_vnni_linear (with fma, gguf and AVX512-VNNI): 4-bit weights on int8 dot products
+    vnni_q4: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -142,6 +149,15 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return pairs.view(weight.dtype).view(-1, k // 32, 16, 16, 2)
 
 
+def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS) -> tuple[torch.Tensor, ...]:
+    """q4_vnni_linear's operands for a q4_1 weight: its quants and scales (``GGUFWeight.pack_vnni_q4``), and room
+    for ``outliers`` channels kept out of x's int8 blocks (int32 [P], -1 until the kernel's first call chooses
+    them) with the weight's values there (fp32 [P, ceil(N/16) * 16])."""
+    q8, scales = q.pack_vnni_q4()
+    p = min(outliers, q.shape[1])
+    return q8, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(p, q8.shape[0] * 16)
+
+
 def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     """The FMA kernel's fp16 weight: ``pack_amx`` of weight x 2^-e in fp16, the power of two putting the largest
     |value| in [0.5, 1) (exact for bf16 values from 2^-14 of the largest up, so no overflow and little underflow),
@@ -166,6 +182,9 @@ class CPULinear(nn.Module):
         self.gguf: GGUFWeight | GGUFParts | None = None
         # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
         self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
+        # without AMX, a 4-bit gguf's quants and scales for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
+        # with its outlier channels and the weight's values there (chosen by the kernel's first call)
+        self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -216,13 +235,19 @@ class CPULinear(nn.Module):
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
         self.gguf = q
-        if self.amx is not None and self.kernels.amx_q4 is not None and isinstance(q, GGUFWeight) and q.kind == "q4_1":
-            self.amx_q4 = q.pack_amx_q4()
+        if isinstance(q, GGUFWeight) and q.kind == "q4_1" and q.shape[1] % 32 == 0:
+            if self.amx is not None and self.kernels.amx_q4 is not None:
+                self.amx_q4 = q.pack_amx_q4()
+            elif self.fma is not None and self.kernels.vnni_q4 is not None:
+                self.vnni_q4 = vnni_q4_form(q)
         return True
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:
         return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS
                 and x.dtype == torch.bfloat16)
+
+    def _takes_vnni_q4(self, x: torch.Tensor) -> bool:
+        return self.vnni_q4 is not None and GEMV_MAX_ROWS < x.shape[0] and x.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -237,6 +262,10 @@ class CPULinear(nn.Module):
             if self._takes_amx_q4(x):
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 self.kernels.amx_q4(x, *self.amx_q4, self.bias, out, False)
+                return out
+            if self._takes_vnni_q4(x):
+                out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+                self.kernels.vnni_q4(x, *self.vnni_q4, self.bias, out, False)
                 return out
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -299,6 +328,10 @@ class CPULinear(nn.Module):
         rows, inter = x.shape[0], self.weight.shape[0] // 2
         if self.gguf is not None and rows <= GEMV_MAX_ROWS:
             return None  # forward's GGUF kernel, then silu_and_mul
+        if self._takes_vnni_q4(x) and x.dim() == 2 and x.stride(-1) == 1 and inter % 16 == 0:
+            out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+            self.kernels.vnni_q4(x, *self.vnni_q4, self.bias, out, True)
+            return out
         if (self.tiled_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
             return None
@@ -324,13 +357,15 @@ def _onednn_packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = True) -> CPUKernels | None:
+def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = True,
+                int8_activations: bool = True) -> CPUKernels | None:
     """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32).
-    reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction)."""
+    reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction).
+    int8_activations: 4-bit GGUF weights may take int8 dot products (EngineConfig.gguf_int8_activations)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
-    amx_q4 = None
+    amx_q4 = vnni_q4 = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
@@ -348,12 +383,14 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
                 fma_dot = not fma_fp16 and ops.fma_linear_dot_default()
                 if ops.argmax_screen_supported():
                     screen, screen_pack = ops.argmax_screen.default, ops.argmax_screen_pack.default
+                if gguf and int8_activations and ops.q4_vnni_linear_supported():
+                    vnni_q4 = ops.q4_vnni_linear.default
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack, screen_amx, amx_q4)
+                         screen, screen_pack, screen_amx, amx_q4, vnni_q4)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

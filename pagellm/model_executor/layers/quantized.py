@@ -142,22 +142,43 @@ class GGUFWeight:
     def shape(self) -> tuple[int, int]:
         return self.qs.shape[0], self.qs.shape[1] * 32
 
+    def _tile_scales(self) -> torch.Tensor:
+        """A q4_1 weight's d and m per 16-column tile and 32-deep block: fp32 [ceil(N/16), K/32, 2, 16] (columns
+        past N: zeros)."""
+        n, kc = self.qs.shape[0], self.qs.shape[1]
+        tiles = -(-n // 16)
+        sc = torch.zeros(tiles * 16, kc, 2, dtype=torch.float32)
+        sc[:n] = self.scales
+        return sc.view(tiles, 16, kc, 2).permute(0, 2, 3, 1).contiguous()
+
+    def _tile_quants(self) -> torch.Tensor:
+        """A q4_1 weight's quants as uint8 [ceil(N/16) * 16, K/32, 32] (k order; columns past N: zeros)."""
+        if self.kind != "q4_1":
+            raise ValueError(f"the 4-bit kernels take the q4_1 layout, not {self.kind}")
+        n, kc = self.qs.shape[0], self.qs.shape[1]
+        q = torch.zeros(-(-n // 16) * 16, kc, 32, dtype=torch.uint8)
+        q[:n] = _nibbles(self.qs)
+        return q
+
     def pack_amx_q4(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A q4_1 weight in the AMX decode kernel's layout (``csrc/amx_q4_panels.h``): nibbles uint8
         [ceil(N/16), K/32, 16, 16], byte b of k-pair row p holding column b // 2 (low nibble) and 8 + b // 2 (high)
         at depth 2p + b % 2; scales fp32 [ceil(N/16), K/32, 2, 16] (d, then m, per column). Columns past N: zeros."""
-        if self.kind != "q4_1":
-            raise ValueError(f"pack_amx_q4 takes the q4_1 layout, not {self.kind}")
-        n, kc = self.qs.shape[0], self.qs.shape[1]
-        tiles = -(-n // 16)
-        q = torch.zeros(tiles * 16, kc, 32, dtype=torch.uint8)
-        q[:n] = _nibbles(self.qs)
-        sc = torch.zeros(tiles * 16, kc, 2, dtype=torch.float32)
-        sc[:n] = self.scales
+        q = self._tile_quants()
+        tiles, kc = q.shape[0] // 16, q.shape[1]
         # [tile, n, kc, p, j] -> [tile, kc, p, lane = 2 n + j]; lanes 0-15 in the low nibbles, 16-31 in the high
         lanes = q.view(tiles, 16, kc, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, kc, 16, 32)
         q4 = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
-        return q4, sc.view(tiles, 16, kc, 2).permute(0, 2, 3, 1).contiguous()
+        return q4, self._tile_scales()
+
+    def pack_vnni_q4(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A q4_1 weight in the int8 dot-product kernel's layout (``csrc/q4_vnni_linear_cpu.cpp``): quants uint8
+        [ceil(N/16), K/32, 8, 64], byte 4 n + e of row j holding column n's quant at depth 4 j + e (one VPDPBUSD
+        operand); scales as pack_amx_q4's. Columns past N: zeros."""
+        q = self._tile_quants()
+        tiles, kc = q.shape[0] // 16, q.shape[1]
+        q8 = q.view(tiles, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, kc, 8, 64).contiguous()
+        return q8, self._tile_scales()
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight, as the kernel computes each weight (and ``gguf.quants.dequantize``)."""

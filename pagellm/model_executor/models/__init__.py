@@ -20,10 +20,12 @@ MODEL_CLASSES = {
 def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device, backend: AttentionBackend, max_position: int,
                 reduced_precision_reduction: bool = True,
-                quantized: dict[str, GGUFWeight] | None = None) -> LlamaForCausalLM:
+                quantized: dict[str, GGUFWeight] | None = None,
+                int8_activations: bool = True) -> LlamaForCausalLM:
     """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights.
     reduced_precision_reduction: see EngineConfig. quantized: a GGUF's weights in their blocks by HF name
-    (LoadedCheckpoint.quantized), for the few-row linears where the CPU kernels run."""
+    (LoadedCheckpoint.quantized), for the few-row linears where the CPU kernels run. int8_activations: see
+    EngineConfig.gguf_int8_activations."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
     old = torch.get_default_dtype()
@@ -36,7 +38,8 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     model.to_empty(device=device)
     model.rotary.build_tables(device)
     model.load_weights(weights)
-    kernels = cpu_kernels(backend.ops, dtype, reduced_precision_reduction) if device.type == "cpu" else None
+    kernels = (cpu_kernels(backend.ops, dtype, reduced_precision_reduction, int8_activations)
+               if device.type == "cpu" else None)
     if device.type == "cpu" and dtype != torch.float32 and getattr(backend, "ops", None) is not None:
         # the paged kernel's fp16 sums for prefill chunks (fp32 keeps fp32 sums: HF-exact)
         backend.fp16_sums = reduced_precision_reduction and bool(backend.ops.paged_attention_fp16_supported())

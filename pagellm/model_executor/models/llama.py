@@ -245,8 +245,10 @@ class LlamaForCausalLM(nn.Module):
         self.fast_lm_head.enable_argmax_screen()
         self.linear_kernels = kernels.name
         if quantized and self._use_gguf_blocks(quantized):
-            nibbles = any(isinstance(m, CPULinear) and m.amx_q4 is not None for m in self.layers.modules())
-            self.linear_kernels += "+amx_q4+gguf" if nibbles else "+gguf"
+            lins = [m for m in self.layers.modules() if isinstance(m, CPULinear)]
+            nibbles = "+amx_q4" if any(m.amx_q4 is not None for m in lins) else ""
+            int8 = "+vnni_q4" if any(m.vnni_q4 is not None for m in lins) else ""
+            self.linear_kernels += nibbles + int8 + "+gguf"
         self.decoder = self._build_decoder(kernels)
 
     def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:
@@ -291,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
             for which, lin in enumerate(lins):
                 if lin.amx_q4 is not None:
                     decoder.set_amx_q4(which, *lin.amx_q4)
+                if lin.vnni_q4 is not None:
+                    decoder.set_vnni_q4(which, *lin.vnni_q4)
         return decoder
 
     @torch.no_grad()

@@ -45,6 +45,8 @@ struct Linear {
   // layouts (GGUFParts), each into the next columns of the output
   std::vector<at::Tensor> gguf_qs, gguf_scales;
   at::Tensor q4, q4_scales;  // a 4-bit GGUF weight's nibbles for AMX (amx_q4_panels.h), undefined if none
+  // its quants for the int8 dot products and their outlier channels (q4_vnni_linear_cpu.cpp), undefined if none
+  at::Tensor q8, q8_scales, q8_channels, q8_wc;
 };
 
 struct Layer {
@@ -107,6 +109,16 @@ class LlamaDecoder : public torch::CustomClassHolder {
     Layer& L = layers_.back();
     Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
     l.q4 = q4, l.q4_scales = scales;
+  }
+
+  // Linear `which` (0-3) of the last layer added takes q4_vnni_linear on these quants, scales and outlier channels
+  // past gguf_max_rows rows (layers/linear.py: CPULinear.vnni_q4; the same tensors, so both loops share the
+  // channels the first call chooses).
+  void set_vnni_q4(int64_t which, at::Tensor q8, at::Tensor scales, at::Tensor channels, at::Tensor wc) {
+    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_vnni_q4: a linear (0-3) of an added layer");
+    Layer& L = layers_.back();
+    Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+    l.q8 = q8, l.q8_scales = scales, l.q8_channels = channels, l.q8_wc = wc;
   }
 
   // The per-layer views of the KV cache, [NB, Hkv, D/x, B, x] and [NB, Hkv, B/x, D, x] (cpu_attention.views; x = 2
@@ -230,6 +242,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   bool takes_q4(const Linear& l, int64_t rows) const {
     return l.q4.defined() && rows > gguf_max_rows_ && rows <= amx_q4_max_rows_;
   }
+  bool takes_q8(const Linear& l, int64_t rows) const { return l.q8.defined() && rows > gguf_max_rows_; }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
@@ -245,6 +258,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
     } else if (takes_q4(l, x.size(0))) {
       PAGELLM_RANGE("pagellm::amx_q4_linear");
       amx_q4_linear(x, l.q4, l.q4_scales, l.bias, out, false);
+    } else if (takes_q8(l, x.size(0))) {
+      PAGELLM_RANGE("pagellm::q4_vnni_linear");
+      q4_vnni_linear(x, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, out, false);
     } else if (x.size(0) <= gemv_max_rows_) {
       PAGELLM_RANGE("pagellm::small_m_linear");
       small_m_linear(x, l.weight, l.bias, out);
@@ -268,6 +284,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // 6 process pairs: median 456 against 501 ms (docs/performance.md).
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
+    if (takes_q8(l, T) && I_ % 16 == 0) {
+      PAGELLM_RANGE("pagellm::q4_vnni_linear_silu_mul");
+      q4_vnni_linear(h, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, act, true);
+      return;
+    }
     if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0 && !takes_gguf(l, T)) {
       if (takes_q4(l, T)) {
         PAGELLM_RANGE("pagellm::amx_q4_linear_silu_mul");
@@ -316,6 +337,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
       .def("set_amx_q4", &LlamaDecoder::set_amx_q4)
+      .def("set_vnni_q4", &LlamaDecoder::set_vnni_q4)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);
 }

@@ -235,7 +235,7 @@ class CPULinear(nn.Module):
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
         self.gguf = q
-        if isinstance(q, GGUFWeight) and q.kind == "q4_1" and q.shape[1] % 32 == 0:
+        if isinstance(q, GGUFWeight) and q.kind == "q4_1":
             if self.amx is not None and self.kernels.amx_q4 is not None:
                 self.amx_q4 = q.pack_amx_q4()
             elif self.fma is not None and self.kernels.vnni_q4 is not None:

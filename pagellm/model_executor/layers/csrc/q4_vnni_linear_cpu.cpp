@@ -72,13 +72,16 @@ struct Gemm {
 };
 
 // The outlier channels, once per weight (chan[0] < 0: not chosen yet): the P channels of largest |x| over the
-// call's rows, ascending, and wc, the weight's exact values there (d q + m; d q is exact in fp32).
+// call's rows (NaN counting as infinite), ascending, and wc, the weight's exact values there (d q + m; d q is exact
+// in fp32).
 void choose_outliers(const Gemm& g, int32_t* chan, float* wc) {
   std::vector<float> top(g.K, 0.f);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < g.M; ++r)
-    for (int64_t k = 0; k < g.K; ++k) {
-      const float v = std::fabs(static_cast<float>(g.x[r * g.ldx + k]));
-      top[k] = std::isnan(v) ? std::numeric_limits<float>::infinity() : std::max(top[k], v);
+    for (int64_t k = 0; k < g.K; k += 16) {  // K is a multiple of 32
+      const __m512 v = load16(g.x + r * g.ldx + k);
+      const __m512 a = _mm512_mask_mov_ps(_mm512_abs_ps(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), inf);
+      _mm512_storeu_ps(top.data() + k, _mm512_max_ps(_mm512_loadu_ps(top.data() + k), a));
     }
   std::vector<int32_t> order(g.K);
   for (int64_t k = 0; k < g.K; ++k) order[k] = static_cast<int32_t>(k);

@@ -32,7 +32,7 @@ from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa:
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
 from pagellm.model_executor.layers.linear import (CPUKernels, CPULinear, cpu_kernels, pack_amx,  # noqa: E402
-                                                  vnni_q4_form)
+                                                  pack_fp16, vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight  # noqa: E402
 
 
@@ -222,6 +222,7 @@ def int8_linears(ops) -> None:
         tiles["fma"] = (ops.fma_linear, ops.fma_linear_silu_mul, (1.0, 0))
         if ops.fma_linear_dot_supported():
             tiles["fma_dot"] = (ops.fma_linear, ops.fma_linear_silu_mul, (1.0, 1))
+    fp16 = [pack_fp16(w.dequantize().bfloat16()) for w in ws] if ops.fma_linear_fp16_supported() else None
     for rows in (8, 64, 256, 2048):
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         outs = [torch.empty(rows, n // 2 if n == 3072 else n, dtype=torch.bfloat16) for n, _ in shapes]
@@ -231,8 +232,11 @@ def int8_linears(ops) -> None:
             fs[name] = lambda lin=lin, silu=silu, args=args: [
                 (silu if w.shape[0] == 3072 else lin)(xs[w.shape[1]], p, None, o, *args)
                 for w, p, o in zip(ws, packed, outs)]
+        if fp16:  # the AMX-less kind's default without the int8 path: fp16 FMAs (reduced_precision_reduction)
+            fs["fma_fp16"] = lambda: [(ops.fma_linear_silu_mul if w.shape[0] == 3072 else ops.fma_linear)(
+                xs[w.shape[1]], p, None, o, inv, 0) for w, (p, inv), o in zip(ws, fp16, outs)]
         emit(bench="120 linears on Q4_1 weights, int8 x against bf16 tiles, ms", rows=rows, **best_ms(fs))
-    del ws, int8, packed
+    del ws, int8, packed, fp16
 
 
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm

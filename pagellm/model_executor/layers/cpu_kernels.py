@@ -30,6 +30,9 @@ def load_extension():
     from pagellm.model_executor.default_model import cache_dir
 
     h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())  # -march=native: per CPU kind
+    # ninja recompiles every object when a compile command changes, and the commands hold the sources' and this
+    # torch's include paths: two checkouts or venvs sharing one cache dir rebuilt on alternate starts (~60 s)
+    h.update(str(_CSRC).encode() + "\0".join(cpp_extension.include_paths()).encode())
     for f in sorted(_CSRC.iterdir()):
         h.update(f.name.encode() + f.read_bytes())
     name = f"pagellm_cpu_kernels_{h.hexdigest()[:12]}"

@@ -258,21 +258,13 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     assert off.set_gguf(q) and off.vnni_q4 is None
 
 
-@needs_vnni
-def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
-    # The default model with every layer linear handed its int8 form (as a CPU without AMX does; here also on AMX
-    # machines): the C++ layer loop runs q4_vnni_linear for prefill and for decode steps of more than 4 rows, and
-    # the pool ends whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench
-    # agreement`, workload_16, 2,048 positions) gave 99.46-99.56% on the AMX kind, 2026-12-05, against 99.71% on
-    # the bf16 weights. The tests' text prompts are 192 positions, one of them 0.52%: 96.4-97.4% over 4-32 outlier
-    # channels, 95.8% with none, and bf16 paths 97.4% (bf16 x on the same weights in the Python loop) to 99.0%
-    # (AMX).
-    from torch.profiler import ProfilerActivity, profile
+def int8_engine(gguf_path, **kw):
+    """The default model's bf16 engine with every layer linear on the int8 path, as a CPU without AMX builds it
+    (here also on AMX machines, whose attention and LM head stay theirs): each 4-bit linear handed its int8 form,
+    the C++ decoder rebuilt on them, and the engine's calibration run (LLMEngine.choose_int8_outliers)."""
+    from pagellm import LLM
 
-    from conftest import pool_is_whole, teacher_forced_agreement
-    from pagellm import LLM, SamplingParams
-
-    llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB")
+    llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", **kw)
     model = llm.llm_engine.model
     if model.decoder is None:
         pytest.skip("no C++ decoder here")
@@ -284,6 +276,23 @@ def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
                                            dataclasses.replace(m.kernels, vnni_q4=ops.q4_vnni_linear.default))
     assert swapped
     model.decoder, model._bound_caches = model._build_decoder(next(iter(swapped.values()))), None
+    llm.llm_engine.choose_int8_outliers()
+    return llm
+
+
+@needs_vnni
+def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
+    # The C++ layer loop runs q4_vnni_linear for prefill and for decode steps of more than 4 rows, and the pool ends
+    # whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`, workload_16,
+    # 2,048 positions) gave 99.46-99.56% on the AMX kind, 2026-12-05, against 99.71% on the bf16 weights. The
+    # tests' text prompts are 192 positions, one of them 0.52%: 96.4-97.9% over 4-32 outlier channels, 95.8% with
+    # none, and bf16 paths 97.4% (bf16 x on the same weights in the Python loop) to 99.0% (AMX).
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import pool_is_whole, teacher_forced_agreement
+    from pagellm import SamplingParams
+
+    llm = int8_engine(gguf_path)
     prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 6000 + 200 for j in range(8 + i % 9)]} for i in range(12)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
@@ -292,6 +301,31 @@ def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
     assert "pagellm::amx_q4_linear" not in names
     assert pool_is_whole(llm)
     assert teacher_forced_agreement(llm, fp32_reference) >= 0.96
+
+
+@needs_vnni
+def test_every_engine_takes_the_calibrated_channels(gguf_path):
+    # The engine makes each weight's first call on a fixed prompt: two engines then hold the same channels, and a
+    # prompt prefilled in chunks of 64 gets the tokens and logprobs of one prefilled whole (x is quantized row by
+    # row). Without the calibration each engine's first call chose: 18 of the 120 weights' channels agreed, and the
+    # logprobs did not. The calibration leaves the pool whole.
+    from conftest import pool_is_whole
+    from pagellm import SamplingParams
+
+    prompt = {"prompt_token_ids": [(i * 37) % 4000 + 100 for i in range(300)]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    outs, chans = [], []
+    for budget in (64, 2048):
+        llm = int8_engine(gguf_path, max_num_batched_tokens=budget)
+        chans.append([m.vnni_q4[2].clone() for m in llm.llm_engine.model.layers.modules()
+                      if isinstance(m, CPULinear) and m.vnni_q4 is not None])
+        assert pool_is_whole(llm)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        outs.append((out.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in out.logprobs]))
+        assert pool_is_whole(llm)
+    assert len(chans[0]) == 120 and all((c >= 0).all() for c in chans[0])
+    assert all(torch.equal(a, b) for a, b in zip(*chans))
+    assert len(outs[0][0]) == 8 and outs[0] == outs[1]
 
 
 def test_bad_gguf_int8_activations_names_the_field():

@@ -94,6 +94,7 @@ class LLMEngine:
                                    shape.sliding_windows)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.torch_kv_dtype, dev,
                                   num_host_blocks, config.kv_cache_prefault)
+        self.choose_int8_outliers()
         self.stats = EngineStats(num_blocks, config.block_size, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1 / best_of: parent id -> its children
@@ -171,6 +172,33 @@ class LLMEngine:
         if need > self.kv_manager.num_blocks:
             raise ValueError(f"the request needs up to {need} KV blocks ({total} tokens) but the whole KV cache has "
                              f"{self.kv_manager.num_blocks}; lower max_tokens or raise kv_cache_memory")
+
+    def forward_prompt(self, tokens: list[int], first: int) -> torch.Tensor:
+        """The logits that predict tokens[first:] from one prefill of ``tokens`` alone, outside the step loop, in
+        blocks borrowed from the pool and returned (ModelRunner.forward_prompt)."""
+        blocks = self.kv_manager.pool.allocate(-(-len(tokens) // self.config.block_size))
+        try:
+            return self.runner.forward_prompt(tokens, [b.block_id for b in blocks], first)
+        finally:
+            self.kv_manager.pool.free(blocks)
+
+    def choose_int8_outliers(self) -> None:
+        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights on CPUs with AVX512-VNNI but no AMX) keep a
+        few input channels per weight out of x's int8 blocks, chosen on the weight's first call. Make that call a
+        fixed prompt's, now: every engine of a model then takes the same channels, whatever its first requests (a
+        prompt prefilled in chunks or whole, alone or in a batch, gets the same numbers)."""
+        from pagellm.model_executor.layers.linear import CPULinear
+
+        if not any(isinstance(m, CPULinear) and m.vnni_q4 is not None for m in self.model.modules()):
+            return
+        n = min(len(_CALIBRATION_TOKENS), self.config.max_model_len,
+                self.kv_manager.pool.num_free_blocks * self.config.block_size)
+        if n < 2:
+            return
+        tokens = [t % self.vocab_size for t in _CALIBRATION_TOKENS[:n]]
+        if self.tokenizer is not None:
+            tokens = (self.tokenizer.encode(_CALIBRATION_TEXT) + tokens)[:n]
+        self.forward_prompt(tokens, 1)  # logits for every row, so the last layer's linears run on all of them
 
     def abort_request(self, request_id: str) -> bool:
         parent = self.parents.pop(request_id, None)
@@ -337,6 +365,13 @@ class LLMEngine:
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics)
+
+
+# LLMEngine.choose_int8_outliers' prompt: a paragraph of plain English, or without a tokenizer (or past its end)
+# token ids spread over the vocabulary.
+_CALIBRATION_TEXT = ("The library opens at nine in the morning and closes at six. Visitors may borrow up to five "
+                     "books at a time, and most loans last three weeks. Ask at the front desk if you need help.")
+_CALIBRATION_TOKENS = [(i * 7919 + 11) % 32000 for i in range(64)]
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:

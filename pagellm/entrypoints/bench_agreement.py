@@ -14,32 +14,12 @@ import json
 import sys
 
 import numpy as np
-import torch
 
 
 def teacher_forced_top1(engine, tokens: list[int], first: int) -> list[int]:
     """The model's top-1 prediction for positions first..len(tokens)-1, given tokens[:position] (one prefill
     of the whole sequence in blocks borrowed from the engine's pool, returned afterwards)."""
-    from pagellm.model_executor.layers.attention import AttentionMetadata
-
-    bs, L = engine.config.block_size, len(tokens)
-    blocks = engine.kv_manager.pool.allocate(-(-L // bs))
-    try:
-        ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int64)
-        pos = torch.arange(L)
-        empty = torch.zeros(0, dtype=torch.int64)
-        meta = AttentionMetadata(
-            slot_mapping=ids[pos // bs] * bs + pos % bs, block_tables=ids[None, :], seq_lens=torch.tensor([L]),
-            query_start_loc=torch.tensor([0, L]), seq_lens_list=[L], query_start_list=[0, L], query_lens_list=[L],
-            decode_q_idx=empty, decode_block_tables=torch.zeros(0, len(blocks), dtype=torch.int64),
-            decode_seq_lens=empty, max_decode_seq_len=0, prefill_rows=[0])
-        dev = engine.runner.device
-        with torch.inference_mode():
-            logits = engine.model(torch.tensor(tokens, device=dev), pos.to(dev), engine.runner.kv_caches,
-                                  meta, torch.arange(first - 1, L - 1, device=dev))
-        return logits.argmax(-1).tolist()
-    finally:
-        engine.kv_manager.pool.free(blocks)
+    return engine.forward_prompt(tokens, first).argmax(-1).tolist()
 
 
 def cmd_agreement(a: argparse.Namespace) -> None:

@@ -124,6 +124,24 @@ class ModelRunner:
             max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0, cascade=cascade)
         return t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f]
 
+    @torch.inference_mode()
+    def forward_prompt(self, tokens: list[int], block_ids: list[int], first: int) -> torch.Tensor:
+        """One prefill of ``tokens`` as a request of its own, into ``block_ids`` (enough for all of them; the
+        caller keeps them from the scheduler meanwhile): the logits [len - first, vocab] that predict
+        tokens[first:], each from the tokens before it. For measures and calibration outside the step loop."""
+        bs, L = self.block_size, len(tokens)
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        pos = torch.arange(L)
+        empty = torch.zeros(0, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=ids[pos // bs] * bs + pos % bs, block_tables=ids[None, :], seq_lens=torch.tensor([L]),
+            query_start_loc=torch.tensor([0, L]), seq_lens_list=[L], query_start_list=[0, L], query_lens_list=[L],
+            decode_q_idx=empty, decode_block_tables=torch.zeros(0, len(block_ids), dtype=torch.int64),
+            decode_seq_lens=empty, max_decode_seq_len=0, prefill_rows=[0])
+        dev = self.device
+        return self.model(torch.tensor(tokens, device=dev), pos.to(dev), self.kv_caches, meta,
+                          torch.arange(first - 1, L - 1, device=dev))
+
     def _sampling_metadata(self, reqs) -> SamplingMetadata:
         dev = self.device
         params = [r.sampling_params for r in reqs]

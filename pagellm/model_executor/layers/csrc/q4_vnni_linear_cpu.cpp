@@ -23,7 +23,9 @@
 // channels of largest |x| over that call's rows (ties: the lower index), they are zeroed before x is quantized and
 // added exactly instead, x[r][c] (bf16) times the weight's fp32 value, after the blocks: 97.4% again on the text
 // prompts, 2-4% more multiply-adds. The choice lives in the caller's tensors (channels, wc), so every later
-// call, in either layer loop, takes the same one and a row's output does not depend on the other rows of its call.
+// call, in either layer loop, takes the same one and a row's output does not depend on the other rows of its call;
+// the engine makes the first call a fixed prompt's (LLMEngine.choose_int8_outliers), so it is the same in every
+// engine of a model.
 //
 // Layout (layers/quantized.py: pack_vnni_q4): q8 uint8 [N/16][K/32][8][64]: row j of a block holds, at byte
 // 4 n + e, column n's quant at depth 4 j + e (one VPDPBUSD operand: 16 columns x 4 depths); scales fp32

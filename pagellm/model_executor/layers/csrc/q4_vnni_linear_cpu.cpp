@@ -101,31 +101,86 @@ void choose_outliers(const Gemm& g, int32_t* chan, float* wc) {
   }
 }
 
+// Lane i of the result: op over the 16 lanes of v[i] (a transposing tree: 45 shuffles and ops for 16 vectors,
+// where one vector's reduction alone takes ~7).
+template <typename Op>
+inline __m512 reduce16(const __m512* v, Op op) {
+  __m512 x[8], y[4], z[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: v[2j]'s two partials in lanes 0 and 2, v[2j+1]'s in 1 and 3
+    x[j] = op(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: v[4j .. 4j+3]'s partials
+    y[j] = op(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+              _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)  // across the 128-bit lanes, pairwise
+    z[j] = op(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return op(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // x's rows [r0, r1) as int8 blocks: q [M][K], dx and sx [M][K/32], the outlier channels zeroed (keep: per block,
-// the lanes not zeroed, low 16 and high 16) and copied into xo.
+// the lanes not zeroed, low 16 and high 16) and copied into xo. 16 blocks at a time, so that their maxima, scales
+// and sums are vector operations.
 void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) {
   const int64_t K = g.K, KB = K / 32;
-  int8_t* q = g.xq;
-  float *dx = g.dx, *sx = g.sx;
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const auto fmax = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  const auto iadd = [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
   for (int64_t r = r0; r < r1; ++r) {
     const bf16* x = g.x + r * g.ldx;
     for (int64_t p = 0; p < g.P; ++p) g.xo[r * g.P + p] = static_cast<float>(x[g.chan[p]]);
-    for (int64_t b = 0; b < KB; ++b) {
-      const __m512 v0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b]), load16(x + b * 32));
-      const __m512 v1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b] >> 16), load16(x + b * 32 + 16));
-      const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-      const bool bad = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
-      const float amax = _mm512_reduce_max_ps(a);
-      const bool ok = !bad && std::isfinite(amax);
-      const float d = ok ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-      const float id = ok && d > 0.f ? 1.f / d : 0.f;  // an all-zero block: q = 0 (d = 0)
-      const __m512 vid = _mm512_set1_ps(std::isfinite(id) ? id : 0.f);  // d below 2^-128: 1 / d overflows, q = 0
-      // nearest, ties to even (MXCSR's default, as torch.round); |x * id| <= 127 up to rounding, never past 127.5
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + b * 32), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
-      dx[r * KB + b] = d;
-      sx[r * KB + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    for (int64_t b0 = 0; b0 < KB; b0 += 16) {
+      const int G = static_cast<int>(std::min<int64_t>(16, KB - b0));
+      const __mmask16 lanes = static_cast<__mmask16>((1u << G) - 1);
+      auto block = [&](int i, __m512& v0, __m512& v1) {
+        const int64_t b = b0 + i;
+        v0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b]), load16(x + b * 32));
+        v1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b] >> 16), load16(x + b * 32 + 16));
+      };
+      __m512 a[16];
+      __mmask16 bad = 0;
+      for (int i = 0; i < 16; ++i) {
+        if (i >= G) {
+          a[i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 v0, v1;
+        block(i, v0, v1);
+        a[i] = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        if (_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q)) bad |= static_cast<__mmask16>(1u << i);
+      }
+      // d = max|x| / 127, NaN where a block holds a NaN or an infinity; 1 / d, 0 for an all-zero block and where
+      // d is below 2^-128 (1 / d overflows): then q = 0
+      const __m512 amax = reduce16(a, fmax);
+      const __mmask16 ok = _mm512_cmp_ps_mask(amax, inf, _CMP_LT_OQ) & static_cast<__mmask16>(~bad);
+      const __m512 d = _mm512_mask_div_ps(_mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()), ok, amax,
+                                          _mm512_set1_ps(127.f));
+      __m512 id = _mm512_maskz_div_ps(ok & _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                      _mm512_set1_ps(1.f), d);
+      id = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(id, inf, _CMP_LT_OQ), id);
+      alignas(64) float ids[16];
+      _mm512_store_ps(ids, id);
+      __m512 s[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= G) {
+          s[i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 v0, v1;
+        block(i, v0, v1);
+        const __m512 vid = _mm512_set1_ps(ids[i]);
+        // nearest, ties to even (MXCSR's default, as torch.round); |x * id| <= 127 up to rounding, never past 127.5
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        int8_t* qb = g.xq + r * K + (b0 + i) * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+        s[i] = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+      }
+      const __m512i sum = _mm512_castps_si512(reduce16(s, iadd));
+      _mm512_mask_storeu_ps(g.dx + r * KB + b0, lanes, d);
+      _mm512_mask_storeu_ps(g.sx + r * KB + b0, lanes, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
     }
   }
 }

@@ -6,8 +6,9 @@
 // multiply-adds, not by memory: on Zen 4 the 120 layer linears ran at 93-98% of VDPBF16PS's peak, ~75% of
 // workload_64's time. VPDPBUSD retires at the same rate there (3.65 G/s a core) with twice the products (64 a
 // zmm), and at twice the fp32 FMA's rate on Intel (6.8 G/s a core here) with four times its products. A 4-bit
-// weight's quants are exact small integers, so the only rounding added is x's: per 32-deep block, the ~2^-8
-// relative step that bf16 itself has. Teacher-forced agreement with fp32 on workload_16 (`pagellm bench
+// weight's quants are exact small integers, so the only rounding added is x's: at most max|x| / 254 per value of a
+// 32-deep block, about bf16's own rounding for the block's largest values, coarser for its small ones (hence the
+// outlier channels below). Teacher-forced agreement with fp32 on workload_16 (`pagellm bench
 // agreement`'s measure, this path forced on the AMX kind): 99.46-99.56% against 99.71% on the bf16 weights.
 //
 // The math, per row r, output column n and block b (32 k): x's block is dx * xq with dx = max|x| / 127 and xq =

@@ -415,3 +415,19 @@ def test_kernels_build_for_cpus_without_avx512_fp16_or_amx():
     for arch, proc in procs.items():
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"-march={arch}:\n{err[-3000:]}"
+
+
+def test_earlier_builds_of_this_source_tree_are_pruned(tmp_path):
+    # A new build marks its directory with the source tree it came from and removes that tree's earlier builds;
+    # another tree's builds, and directories without the mark, stay.
+    from pagellm.model_executor.layers import cpu_kernels as build
+
+    old, new, other, unmarked = (tmp_path / f"pagellm_cpu_kernels_{n}" for n in ("old", "new", "other", "unmarked"))
+    for d in (old, new, other, unmarked):
+        d.mkdir()
+        (d / "x.so").write_bytes(b"")
+    (old / "source_dir").write_text(str(build._CSRC))
+    (other / "source_dir").write_text("/elsewhere/csrc")
+    build._prune_old_builds(new)
+    assert (new / "source_dir").read_text() == str(build._CSRC)
+    assert not old.exists() and other.exists() and unmarked.exists() and (new / "x.so").exists()

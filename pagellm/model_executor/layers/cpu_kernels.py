@@ -44,7 +44,25 @@ def load_extension():
     cpp_extension.load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(build_dir),
                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    _prune_old_builds(build_dir)
     return torch.ops.pagellm
+
+
+def _prune_old_builds(build_dir: pathlib.Path) -> None:
+    """Mark build_dir as this source tree's build and delete the tree's earlier builds (each source change leaves
+    one, ~30 MB: an upgrade would otherwise keep them all). Builds of other source trees (another checkout or
+    install sharing the cache dir) are left alone."""
+    import shutil
+
+    marker, mine = "source_dir", str(_CSRC)
+    try:
+        (build_dir / marker).write_text(mine)
+        for other in build_dir.parent.glob("pagellm_cpu_kernels_*"):
+            if other != build_dir and (other / marker).is_file() and (other / marker).read_text() == mine:
+                logger.info("removing an earlier build of the CPU kernels: %s", other)
+                shutil.rmtree(other, ignore_errors=True)
+    except OSError as e:  # a read-only or shared cache: keep what is there
+        logger.info("could not prune earlier CPU kernel builds (%s)", e)
 
 
 def _cpu_flags() -> str:

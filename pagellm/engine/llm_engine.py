@@ -191,11 +191,10 @@ class LLMEngine:
 
         if not any(isinstance(m, CPULinear) and m.vnni_q4 is not None for m in self.model.modules()):
             return
-        n = min(len(_CALIBRATION_TOKENS), self.config.max_model_len,
-                self.kv_manager.pool.num_free_blocks * self.config.block_size)
+        n = min(64, self.config.max_model_len, self.kv_manager.pool.num_free_blocks * self.config.block_size)
         if n < 2:
             return
-        tokens = [t % self.vocab_size for t in _CALIBRATION_TOKENS[:n]]
+        tokens = [(i * 7919 + 11) % 32000 % self.vocab_size for i in range(n)]  # ids spread over the vocabulary
         if self.tokenizer is not None:
             tokens = (self.tokenizer.encode(_CALIBRATION_TEXT) + tokens)[:n]
         self.forward_prompt(tokens, 1)  # logits for every row, so the last layer's linears run on all of them
@@ -367,11 +366,10 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics)
 
 
-# LLMEngine.choose_int8_outliers' prompt: a paragraph of plain English, or without a tokenizer (or past its end)
-# token ids spread over the vocabulary.
+# LLMEngine.choose_int8_outliers' prompt: a paragraph of plain English (without a tokenizer, or past its end, token
+# ids spread over the vocabulary).
 _CALIBRATION_TEXT = ("The library opens at nine in the morning and closes at six. Visitors may borrow up to five "
                      "books at a time, and most loans last three weeks. Ask at the front desk if you need help.")
-_CALIBRATION_TOKENS = [(i * 7919 + 11) % 32000 for i in range(64)]
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:

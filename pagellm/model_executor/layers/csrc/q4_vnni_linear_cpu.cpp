@@ -140,13 +140,11 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
         v0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b]), load16(x + b * 32));
         v1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b] >> 16), load16(x + b * 32 + 16));
       };
-      __m512 a[16];
+      __m512 a[16], s[16];  // per block: max |x| and the quants' sums by lane (zero past the G blocks)
+      std::fill(a, a + 16, _mm512_setzero_ps());
+      std::fill(s, s + 16, _mm512_setzero_ps());
       __mmask16 bad = 0;
-      for (int i = 0; i < 16; ++i) {
-        if (i >= G) {
-          a[i] = _mm512_setzero_ps();
-          continue;
-        }
+      for (int i = 0; i < G; ++i) {
         __m512 v0, v1;
         block(i, v0, v1);
         a[i] = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
@@ -163,12 +161,7 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
       id = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(id, inf, _CMP_LT_OQ), id);
       alignas(64) float ids[16];
       _mm512_store_ps(ids, id);
-      __m512 s[16];
-      for (int i = 0; i < 16; ++i) {
-        if (i >= G) {
-          s[i] = _mm512_setzero_ps();
-          continue;
-        }
+      for (int i = 0; i < G; ++i) {
         __m512 v0, v1;
         block(i, v0, v1);
         const __m512 vid = _mm512_set1_ps(ids[i]);

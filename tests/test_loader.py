@@ -363,6 +363,24 @@ def test_tiny_gguf_roundtrip(tiny_gguf, arch):
     assert_same_weights(ck16.weights, {k: v.to(torch.bfloat16) for k, v in sd.items()})
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_start_imports_no_symbolic_shapes(tiny_gguf, dtype):
+    """Starting an engine and generating must not import sympy (torch's symbolic shapes pull it in, 0.2-0.4 s of
+    a ~3 s cold start here, more on slower machines): Module.to_empty on meta tensors did (models/__init__.py)."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from pagellm import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(tiny_gguf['llama'][0])!r}, dtype={dtype!r}, kv_cache_memory='16MiB')\n"
+        "llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)\n"
+        "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize("arch", list(GGUF_ARCHS))
 def test_tiny_gguf_tokenizer_matches_autotokenizer(tiny_gguf, arch):
     path, _, _ = tiny_gguf[arch]

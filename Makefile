@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run generate test install model bench clean
+.PHONY: run generate test test-avx2 install model bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ generate: model
 
 test: model
 	$(PY) -m pytest -q
+
+# The suite again with the CPU kernels built for AVX2 and FMA without AVX-512 (-march=haswell): the paths an
+# AVX2-only CPU takes, tested on a machine whose own build takes its AVX-512 or AMX ones (CI does both).
+test-avx2: model
+	PAGELLM_CPU_MARCH=haswell $(PY) -m pytest -q
 
 bench: model
 	$(VENV)/bin/pagellm bench throughput --workload ../shared/workloads/workload_64.json --dtype bfloat16

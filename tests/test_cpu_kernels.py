@@ -422,12 +422,29 @@ def test_earlier_builds_of_this_source_tree_are_pruned(tmp_path):
     # another tree's builds, and directories without the mark, stay.
     from pagellm.model_executor.layers import cpu_kernels as build
 
-    old, new, other, unmarked = (tmp_path / f"pagellm_cpu_kernels_{n}" for n in ("old", "new", "other", "unmarked"))
-    for d in (old, new, other, unmarked):
+    # A build for another -march (PAGELLM_CPU_MARCH) is another tree's as far as pruning goes.
+    names = ("old", "new", "other", "unmarked", "haswell")
+    old, new, other, unmarked, haswell = (tmp_path / f"pagellm_cpu_kernels_{n}" for n in names)
+    for d in (old, new, other, unmarked, haswell):
         d.mkdir()
         (d / "x.so").write_bytes(b"")
     (old / "source_dir").write_text(str(build._CSRC))
     (other / "source_dir").write_text("/elsewhere/csrc")
+    (haswell / "source_dir").write_text(f"{build._CSRC} -march=haswell")
     build._prune_old_builds(new)
     assert (new / "source_dir").read_text() == str(build._CSRC)
-    assert not old.exists() and other.exists() and unmarked.exists() and (new / "x.so").exists()
+    assert not old.exists() and other.exists() and unmarked.exists() and haswell.exists() and (new / "x.so").exists()
+    # the haswell tree's own next build prunes its earlier one and nothing else
+    newer = tmp_path / "pagellm_cpu_kernels_newer"
+    newer.mkdir()
+    build._prune_old_builds(newer, "haswell")
+    assert not haswell.exists() and new.exists() and other.exists()
+
+
+@pytest.mark.parametrize("march", ["", "native; rm -rf /", "-O0", "Haswell"])
+def test_cpu_march_must_be_a_target_name(march, monkeypatch):
+    from pagellm.model_executor.layers import cpu_kernels as build
+
+    monkeypatch.setenv("PAGELLM_CPU_MARCH", march)
+    with pytest.raises(ValueError, match="PAGELLM_CPU_MARCH"):
+        build.load_extension.__wrapped__()

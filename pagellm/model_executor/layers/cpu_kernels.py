@@ -3,14 +3,19 @@
 They are compiled once with ``torch.utils.cpp_extension`` into the pagellm cache dir, keyed by a hash of the
 sources and the torch version (``make model`` or ``python -m pagellm.model_executor.layers.cpu_kernels`` does
 it ahead of time; otherwise the first engine start does, ~40 s). The ops register as ``torch.ops.pagellm.*``.
+They are compiled for this CPU (``-march=native``); ``PAGELLM_CPU_MARCH`` names another target (GCC's
+``-march`` names, e.g. ``haswell`` for AVX2 and FMA without AVX-512): the kernels then take that target's paths
+and the engine chooses as on such a CPU, which is how the AVX2 paths are tested on an AVX-512 machine.
 If no compiler is available the engine falls back to the torch reference path and says so.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pathlib
 import platform
+import re
 from functools import lru_cache
 
 import torch
@@ -29,7 +34,12 @@ def load_extension():
 
     from pagellm.model_executor.default_model import cache_dir
 
-    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())  # -march=native: per CPU kind
+    march = os.environ.get("PAGELLM_CPU_MARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]*", march):
+        raise ValueError(f"PAGELLM_CPU_MARCH={march!r}: expected a GCC -march name such as native, haswell, "
+                         "x86-64-v3 or sapphirerapids")
+    # -march=native: one build per CPU kind (its flags)
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + march.encode())
     # ninja recompiles every object when a compile command changes, and the commands hold the sources' and this
     # torch's include paths: two checkouts or venvs sharing one cache dir rebuilt on alternate starts (~60 s)
     h.update(str(_CSRC).encode() + "\0".join(cpp_extension.include_paths()).encode())
@@ -42,19 +52,19 @@ def load_extension():
         logger.info("compiling the CPU kernels into %s (once)", build_dir)
     # -ffp-contract=off: a*b + c stays two rounded ops where the kernels mirror torch's rounding.
     cpp_extension.load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(build_dir),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                       extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    _prune_old_builds(build_dir)
+    _prune_old_builds(build_dir, march)
     return torch.ops.pagellm
 
 
-def _prune_old_builds(build_dir: pathlib.Path) -> None:
+def _prune_old_builds(build_dir: pathlib.Path, march: str = "native") -> None:
     """Mark build_dir as this source tree's build and delete the tree's earlier builds (each source change leaves
     one, ~30 MB: an upgrade would otherwise keep them all). Builds of other source trees (another checkout or
-    install sharing the cache dir) are left alone."""
+    install sharing the cache dir) and builds for another -march (PAGELLM_CPU_MARCH) are left alone."""
     import shutil
 
-    marker, mine = "source_dir", str(_CSRC)
+    marker, mine = "source_dir", str(_CSRC) + ("" if march == "native" else f" -march={march}")
     try:
         (build_dir / marker).write_text(mine)
         for other in build_dir.parent.glob("pagellm_cpu_kernels_*"):

@@ -1,10 +1,13 @@
 """The fused CPU element-wise kernels against the torch ops they replace (the model's reference path)."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pagellm.model_executor.layers.attention import select_backend
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.layers.rotary import apply_rotary
 from pagellm.model_executor.models.llama import RMSNorm
@@ -441,10 +444,37 @@ def test_earlier_builds_of_this_source_tree_are_pruned(tmp_path):
     assert not haswell.exists() and new.exists() and other.exists()
 
 
-@pytest.mark.parametrize("march", ["", "native; rm -rf /", "-O0", "Haswell"])
+@pytest.mark.parametrize("march", ["", "native; rm -rf /", "-O0", "Haswell", "no-such-cpu"])
 def test_cpu_march_must_be_a_target_name(march, monkeypatch):
     from pagellm.model_executor.layers import cpu_kernels as build
 
+    if march == "no-such-cpu" and not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler")
     monkeypatch.setenv("PAGELLM_CPU_MARCH", march)
-    with pytest.raises(ValueError, match="PAGELLM_CPU_MARCH"):
+    with pytest.raises(build.CPUMarchError, match="PAGELLM_CPU_MARCH"):
         build.load_extension.__wrapped__()
+    # an engine stops on it instead of falling back to the torch backend (load_extension uncached, as in a fresh
+    # process)
+    from pagellm.model_executor.layers import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "load_extension", build.load_extension.__wrapped__)
+    with pytest.raises(build.CPUMarchError):
+        select_backend("auto", torch.device("cpu"), 2, 32, 16)
+
+
+def test_cpu_march_beyond_this_cpu_is_refused(monkeypatch):
+    # A target using an extension this CPU lacks would stop the process with an illegal instruction: refused by
+    # name. The CPU's flags are given here without AMX and AVX-512, so any x86-64 machine checks the same.
+    from pagellm.model_executor.layers import cpu_kernels as build
+
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx avx2 fma f16c bmi1 bmi2")
+    for march, lacks in (("sapphirerapids", "amx_bf16, amx_int8, amx_tile, avx512_bf16"),
+                         ("skylake-avx512", "avx512bw")):
+        monkeypatch.setenv("PAGELLM_CPU_MARCH", march)
+        with pytest.raises(build.CPUMarchError, match=f"uses {lacks}.*does not have"):
+            build.cpu_march()
+    for march in ("haswell", "x86-64"):  # within the CPU's extensions
+        monkeypatch.setenv("PAGELLM_CPU_MARCH", march)
+        assert build.cpu_march() == march

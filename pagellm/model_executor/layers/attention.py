@@ -258,11 +258,14 @@ def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim:
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchPagedAttention(*args)
     from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+    from pagellm.model_executor.layers.cpu_kernels import CPUMarchError
 
     if name == "cpu":
         return CPUPagedAttention(*args)
     try:
         return CPUPagedAttention(*args)
+    except CPUMarchError:  # a setting to correct, not a machine to make do with
+        raise
     except Exception as e:  # no compiler, no headers...: stay correct, only slower
         logger.warning("CPU kernels unavailable (%s); using the torch reference backend", e)
         return TorchPagedAttention(*args)

@@ -34,10 +34,7 @@ def load_extension():
 
     from pagellm.model_executor.default_model import cache_dir
 
-    march = os.environ.get("PAGELLM_CPU_MARCH", "native")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]*", march):
-        raise ValueError(f"PAGELLM_CPU_MARCH={march!r}: expected a GCC -march name such as native, haswell, "
-                         "x86-64-v3 or sapphirerapids")
+    march = cpu_march()
     # -march=native: one build per CPU kind (its flags)
     h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + march.encode())
     # ninja recompiles every object when a compile command changes, and the commands hold the sources' and this
@@ -56,6 +53,49 @@ def load_extension():
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     _prune_old_builds(build_dir, march)
     return torch.ops.pagellm
+
+
+class CPUMarchError(ValueError):
+    """PAGELLM_CPU_MARCH names no target, or one this CPU cannot run (the engine stops rather than fall back)."""
+
+
+# GCC's macros for the vector and matrix extensions the kernels take paths on -> the /proc/cpuinfo flag of each
+_TARGET_FEATURES = {
+    "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl", "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16", "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni",
+    "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8",
+}
+
+
+def cpu_march() -> str:
+    """The -march the kernels are compiled for: PAGELLM_CPU_MARCH, else native. Another target is checked against
+    this CPU first: a build using an extension the CPU lacks would stop the process with an illegal instruction."""
+    march = os.environ.get("PAGELLM_CPU_MARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]*", march):
+        raise CPUMarchError(f"PAGELLM_CPU_MARCH={march!r}: expected a GCC -march name such as native, haswell, "
+                            "x86-64-v3 or sapphirerapids")
+    if march == "native":
+        return march
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        return march  # the build itself reports the missing compiler
+    probe = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        raise CPUMarchError(f"PAGELLM_CPU_MARCH={march!r}: the compiler does not know this target: "
+                            f"{(probe.stderr.strip().splitlines() or [''])[0][:300]}")
+    flags = set(_cpu_flags().split())
+    if flags:  # /proc/cpuinfo read: name what the target needs and this CPU lacks
+        defined = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
+        missing = sorted(flag for macro, flag in _TARGET_FEATURES.items() if macro in defined and flag not in flags)
+        if missing:
+            raise CPUMarchError(f"PAGELLM_CPU_MARCH={march!r}: the target uses {', '.join(missing)}, which this CPU "
+                                "does not have")
+    return march
 
 
 def _prune_old_builds(build_dir: pathlib.Path, march: str = "native") -> None:

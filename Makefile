@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run generate test test-avx2 install model bench clean
+.PHONY: run generate test test-avx2 test-zen4 install model bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,16 @@ generate: model
 test: model
 	$(PY) -m pytest -q
 
-# The suite again with the CPU kernels built for AVX2 and FMA without AVX-512 (-march=haswell): the paths an
-# AVX2-only CPU takes, tested on a machine whose own build takes its AVX-512 or AMX ones (CI does both).
+# The suite again with the CPU kernels built for another CPU kind (PAGELLM_CPU_MARCH), on a machine that can run
+# that kind's instructions, so its paths are tested where its own CPU is not at hand (.ci/run picks):
+#   test-avx2: AVX2 and FMA without AVX-512 (-march=haswell), the AVX2 kind's paths;
+#   test-zen4: AVX-512 with BF16 and VNNI but neither AMX nor FP16, on BF16 dot products (-march=cooperlake,
+#              PAGELLM_FMA_DOT=1), the Zen 4 kind's paths.
 test-avx2: model
 	PAGELLM_CPU_MARCH=haswell $(PY) -m pytest -q
+
+test-zen4: model
+	PAGELLM_CPU_MARCH=cooperlake PAGELLM_FMA_DOT=1 $(PY) -m pytest -q
 
 bench: model
 	$(VENV)/bin/pagellm bench throughput --workload ../shared/workloads/workload_64.json --dtype bfloat16

@@ -396,11 +396,14 @@ def test_kernels_build_for_cpus_without_avx512_fp16_or_amx():
     AVX-512 but no AVX512-BF16/FP16 or AMX (skylake-avx512) must build them too, their instruction-specific parts
     behind #if (a constant of the fp16 path once sat inside the AVX-512 block and broke the first). Syntax only,
     in parallel, in C++17 (~45-70 s; the build's C++20 makes torch's headers take ~2.5x as long, and the sources
-    are C++17)."""
+    are C++17). The same whatever PAGELLM_CPU_MARCH says, so left to the pass without it (make test)."""
+    import os
     import pathlib
-    import shutil
     import subprocess
     import sysconfig
+
+    if os.environ.get("PAGELLM_CPU_MARCH"):
+        pytest.skip("compiles the same for any PAGELLM_CPU_MARCH: make test's pass runs it")
 
     from torch.utils import cpp_extension
 

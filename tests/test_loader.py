@@ -373,7 +373,8 @@ def test_engine_start_imports_no_symbolic_shapes(tiny_gguf, dtype):
         "import sys\n"
         "from pagellm import LLM, SamplingParams\n"
         f"llm = LLM(model={str(tiny_gguf['llama'][0])!r}, dtype={dtype!r}, kv_cache_memory='16MiB')\n"
-        "llm.generate([{'prompt_token_ids': [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)\n"
+        "params = SamplingParams(max_tokens=2, ignore_eos=True)\n"
+        "llm.generate([{'prompt_token_ids': [1, 2, 3]}], params, use_tqdm=False)\n"
         "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -88,8 +88,9 @@ def cpu_march() -> str:
     if probe.returncode != 0:
         raise CPUMarchError(f"PAGELLM_CPU_MARCH={march!r}: the compiler does not know this target: "
                             f"{(probe.stderr.strip().splitlines() or [''])[0][:300]}")
-    flags = set(_cpu_flags().split())
-    if flags:  # /proc/cpuinfo read: name what the target needs and this CPU lacks
+    cpuinfo = _cpu_flags()
+    if cpuinfo.startswith("flags"):  # /proc/cpuinfo read (not platform's fallback): name what the CPU lacks
+        flags = set(cpuinfo.split())
         defined = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
         missing = sorted(flag for macro, flag in _TARGET_FEATURES.items() if macro in defined and flag not in flags)
         if missing:

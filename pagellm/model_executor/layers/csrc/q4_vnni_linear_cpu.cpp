@@ -55,7 +55,7 @@ using bf16 = c10::BFloat16;
 
 constexpr int64_t kRowChunk = 256;  // rows of x whose int8 copy (K bytes each) stays in L2 across column blocks
 // Rows per micro-kernel call: 2 x kMR int32 and as many fp32 accumulators, 24 of the 32 registers. 6 against 4:
-// SmolLM2's 120 layer linears at 2,048 rows took 0.95-0.99x the time on Zen 4 in four of five alternating runs
+// SmolLM2's 120 layer linears at 2,048 rows took 0.94-0.99x the time on Zen 4 in four of five alternating runs
 // (1.05x in one); 8 rows spill. With NextPanels below, 64 rows (decode) took 0.94-0.96x (three runs).
 constexpr int kMR = 6;
 

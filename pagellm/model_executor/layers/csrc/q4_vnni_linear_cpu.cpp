@@ -80,7 +80,7 @@ struct Gemm {
 // The weight lines of the column block a thread runs next (its quants' and scales' rows, tile by tile), brought into
 // L2 one line per 4-deep step of the current block's micro-kernel calls, so that the next block's first call finds
 // its panels there rather than in memory (decode-sized calls read every panel from memory once). next() is null
-// once all are issued.
+// once all are issued, and from the start where the thread has no next block in hand.
 struct NextPanels {
   const char* base[8];  // up to 4 tiles (silu_mul: 2 of gate, 2 of up), quants then scales of each
   int64_t lines[8];
@@ -224,8 +224,7 @@ void micro(const int8_t* xq, const float* dx, const float* sx, int64_t K, const 
         _mm_prefetch(reinterpret_cast<const char*>(w[t] + (b * 8 + j) * 64 + 512), _MM_HINT_T0);
         wv[t] = _mm512_loadu_si512(w[t] + (b * 8 + j) * 64);
       }
-      if (pf)
-        if (const char* line = pf->next()) _mm_prefetch(line, _MM_HINT_T1);
+      if (const char* line = pf->next()) _mm_prefetch(line, _MM_HINT_T1);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + b * 32 + j * 4));
         for (int t = 0; t < NT; ++t) isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], wv[t], xb);
@@ -262,7 +261,7 @@ void micro_rows(int R, A... a) {
 }
 
 // The fp32 sums of rows [r, r + R) against the 1-2 tiles from tile t0 into f [R][32] (row stride 32).
-void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels* pf) {
+void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels& pf) {
   const int64_t KB = g.K / 32;
   const uint8_t* w[2] = {g.q8 + t0 * KB * 512, g.q8 + (t0 + nt - 1) * KB * 512};
   const float* s[2] = {g.scales + t0 * KB * 32, g.scales + (t0 + nt - 1) * KB * 32};
@@ -271,16 +270,16 @@ void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPan
   const int8_t* xq = g.xq + r * g.K;
   const float *dx = g.dx + r * KB, *sx = g.sx + r * KB, *xo = g.xo + r * g.P;
   if (nt == 2) {
-    micro_rows<2>(R, xq, dx, sx, g.K, w, s, xo, g.P, wc, g.ldwc, f, pf);
+    micro_rows<2>(R, xq, dx, sx, g.K, w, s, xo, g.P, wc, g.ldwc, f, &pf);
     return;
   }
-  micro_rows<1>(R, xq, dx, sx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, pf);
+  micro_rows<1>(R, xq, dx, sx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, &pf);
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(f + i * 32, _mm512_loadu_ps(tmp + i * 16));
 }
 
-// The tiles of the column block at n0 (cols <= 32; silu_mul: and up's) into pf.
-void add_panels(const Gemm& g, int64_t n0, int64_t cols, NextPanels& pf) {
-  const int64_t KB = g.K / 32, t0 = n0 / 16, nt = cols > 16 ? 2 : 1;
+// The tiles of the column block at n0 (silu_mul: and up's) into pf.
+void add_panels(const Gemm& g, int64_t n0, NextPanels& pf) {
+  const int64_t KB = g.K / 32, t0 = n0 / 16, nt = g.N - n0 > 16 ? 2 : 1;
   for (int64_t t = t0; t < t0 + nt; ++t)
     for (const int64_t u : {t, t + g.N / 16}) {
       pf.add(g.q8 + u * KB * 512, KB * 512);
@@ -296,13 +295,12 @@ void column_block(const Gemm& g, int64_t r0, int64_t r1, int64_t n0, int64_t col
   const int64_t t0 = n0 / 16;
   const int nt = cols > 16 ? 2 : 1;
   NextPanels next;
-  if (next_n0 >= 0) add_panels(g, next_n0, std::min<int64_t>(32, g.N - next_n0), next);
-  NextPanels* pf = next_n0 >= 0 ? &next : nullptr;
+  if (next_n0 >= 0) add_panels(g, next_n0, next);
   for (int64_t r = r0; r < r1; r += kMR) {
     const int R = static_cast<int>(std::min<int64_t>(kMR, r1 - r));
-    sums(g, r, R, t0, nt, f, pf);
+    sums(g, r, R, t0, nt, f, next);
     if (g.silu) {  // cols == 16 * nt (N % 16 == 0); up's tiles follow gate's N / 16
-      sums(g, r, R, t0 + g.N / 16, nt, fu, pf);
+      sums(g, r, R, t0 + g.N / 16, nt, fu, next);
       for (int i = 0; i < R; ++i) {
         bf16* ym = g.y + (r + i) * g.ldy + n0;
         for (int j = 0; j < cols; j += 16) {

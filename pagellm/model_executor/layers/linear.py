@@ -66,9 +66,10 @@ With AMX, a 4-bit weight (Q4_0, Q4_1, Q4_K) also takes the tile kernel on its ni
 AMX_Q4_MAX_ROWS rows (``csrc/amx_q4_panels.h``, ``pack_amx_q4``): each B tile rebuilt in bf16 just before its
 multiplies, bit for bit amx_linear's output on the loaded bf16 weight, from 6 bits a weight read instead of 16.
 Without AMX but with AVX512-VNNI, a 4-bit weight takes every row count past GEMV_MAX_ROWS on int8 dot products
-(``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): x rounded to int8 per
-32-deep block, as llama.cpp's Q4 x Q8_1 kernels do, but for INT8_OUTLIER_CHANNELS channels taken exactly; twice
-the dot product's products on Zen 4, four times fp32 FMAs' on Intel.
+(``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): the weight's values
+rounded to int8 per 32-deep block at load, x to int8 per row at each call (vLLM's dynamic per-token int8), but for
+INT8_OUTLIER_CHANNELS channels taken exactly; twice the dot product's products on Zen 4, four times fp32 FMAs' on
+Intel.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
-INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its blocks, per weight (vnni_q4_form)
+INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -150,8 +151,8 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS) -> tuple[torch.Tensor, ...]:
-    """q4_vnni_linear's operands for a q4_1 weight: its quants and scales (``GGUFWeight.pack_vnni_q4``), and room
-    for ``outliers`` channels kept out of x's int8 blocks (int32 [P], -1 until the kernel's first call chooses
+    """q4_vnni_linear's operands for a q4_1 weight: its int8 values and steps (``GGUFWeight.pack_vnni_q4``), and room
+    for ``outliers`` channels kept out of x's int8 values (int32 [P], -1 until the kernel's first call chooses
     them) with the weight's values there (fp32 [P, ceil(N/16) * 16])."""
     q8, scales = q.pack_vnni_q4()
     p = min(outliers, q.shape[1])
@@ -182,7 +183,7 @@ class CPULinear(nn.Module):
         self.gguf: GGUFWeight | GGUFParts | None = None
         # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
         self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
-        # without AMX, a 4-bit gguf's quants and scales for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
+        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
         self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep

@@ -184,7 +184,7 @@ class LLMEngine:
 
     def choose_int8_outliers(self) -> None:
         """The int8 linears (gguf_int8_activations: 4-bit GGUF weights on CPUs with AVX512-VNNI but no AMX) keep a
-        few input channels per weight out of x's int8 blocks, chosen on the weight's first call. Make that call a
+        few input channels per weight out of x's int8 values, chosen on the weight's first call. Make that call a
         fixed prompt's, now: every engine of a model then takes the same channels, whatever its first requests (a
         prompt prefilled in chunks or whole, alone or in a batch, gets the same numbers)."""
         from pagellm.model_executor.layers.linear import CPULinear

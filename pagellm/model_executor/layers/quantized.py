@@ -178,12 +178,12 @@ class GGUFWeight:
         of row j holding column n's value at depth 4 j + e (one VPDPBUSD operand); fp32 [ceil(N/16), K/32, 2, 16]:
         the 16 columns' s, then the bits of their int32 offsets, -128 times the block's sum of int8 values. Columns
         past N: zeros."""
-        q = self._tile_quants()
-        tiles, kc = q.shape[0] // 16, q.shape[1]
-        sc = self._tile_scales()  # [tiles, kc, 2, 16]: d, m
-        d = sc[:, :, 0].permute(0, 2, 1).reshape(tiles * 16, kc, 1)
-        m = sc[:, :, 1].permute(0, 2, 1).reshape(tiles * 16, kc, 1)
-        w = d * q.float() + m  # [tiles * 16, kc, 32]
+        if self.kind != "q4_1":
+            raise ValueError(f"the 4-bit kernels take the q4_1 layout, not {self.kind}")
+        n, kc = self.qs.shape[0], self.qs.shape[1]
+        tiles = -(-n // 16)
+        w = torch.zeros(tiles * 16, kc, 32)
+        w[:n] = self.dequantize().view(n, kc, 32)
         step = w.abs().amax(-1, keepdim=True) / 127
         inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
         w8 = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)

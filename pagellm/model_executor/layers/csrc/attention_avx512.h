@@ -67,8 +67,10 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
     const T* vb = vc + a.bt[t.r * a.MB + b] * a.v_sb + t.h * a.v_sh;
     const int64_t lo = std::max<int64_t>(0, s.klo - b * a.B), hi = std::min<int64_t>(a.B, s.khi - b * a.B);
     const int64_t at = v0 * s.ns + (b - s.b0) * a.B;
-    pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr);
-    ahead.issue(per_block);
+    // the read-ahead in step with the first pass over the values (its list holds one)
+    const char* pf = ahead.stream && v0 == 0 ? ahead.stream->take() : nullptr;
+    pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr, pf);
+    if (!ahead.stream) ahead.issue(per_block);
   }
   const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
   PAGELLM_UNROLL
@@ -92,24 +94,36 @@ inline void values_tail(const Args& a, const Task& t, const Span& s, const float
 // kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot), and S has room after the task's scores
 // for one head's probabilities as bf16 pairs (nv * ns / 2 words): the value pass runs on VDPBF16PS too, on the
 // probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot). ahead: the first
-// blocks of the thread's next task, prefetched during the value pass.
+// blocks of the thread's next task, prefetched during the value pass; for decode rows with kDot, ahead.stream (the
+// thread's ReadAhead, paged_attention_task.h) streams this task's blocks and the next one's instead.
 template <int C, typename T, bool kDot>
 void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T* vc, float* S, float* of,
             NextBlocks& ahead) {
   const Span s = span_of(a, t);
   const int64_t nv = t.nrows * a.G, B = a.B, D = a.D;
+  const bool decode = pack_x<T>() == 2 && B % 32 == 0 && nv <= 4;  // decode rows (up to 4 query heads per kv head)
+  ReadAhead* stream = kDot && decode ? ahead.stream : nullptr;  // the read-ahead, where the caller gives one
+  if (stream) stream->begin(a, t, ahead.task, kc, vc);
+  else ahead.stream = nullptr;
   // Block by block, and within a block head by head: a block's kv heads lie next to each other, so a task over
   // all of them reads each block's keys as one run (and a request's consecutive blocks as one stream).
   for (int64_t b = s.b0; b <= s.b1; ++b)
     for (int64_t h = t.h; h < t.h + t.nh; ++h) {
       const int64_t j = h - t.h;
       const T* kb = kc + a.bt[t.r * a.MB + b] * a.k_sb + h * a.k_sh;
+      if (stream) {  // pk: the region ReadAhead is at (it holds the values too; pv then unused)
+        const char* p = stream->take();
+        for (int64_t t0 = 0; t0 < B; t0 += 32)
+          scores_block32_for<T, kDot>(qf + j * nv * D, D, kb, B, t0, S + j * nv * s.ns + (b - s.b0) * B, s.ns, nv,
+                                      p ? p + t0 * 4 : nullptr, nullptr, a.scale);
+        continue;
+      }
       // Pull the next block's keys and this block's values towards the core while the FMAs run.
       const char* kn = b < s.b1 ? reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b + 1] * a.k_sb + h * a.k_sh)
                                 : nullptr;
       const char* vb = reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + h * a.v_sh);
       float* Sb = S + j * nv * s.ns + (b - s.b0) * B;
-      if (pack_x<T>() == 2 && B % 32 == 0 && nv <= 4) {  // decode rows (up to 4 query heads per kv head)
+      if (decode) {
         for (int64_t t0 = 0; t0 < B; t0 += 32)
           scores_block32_for<T, kDot>(qf + j * nv * D, D, kb, B, t0, Sb, s.ns, nv, kn ? kn + t0 * 4 : nullptr,
                                       vb + t0 * 16 * C * sizeof(T), a.scale);
@@ -137,6 +151,7 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
     for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block);
     if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block);
   }
+  if (stream) stream->end();
 }
 
 // attend<D / 16, T, kDot>, or false where the head_dim has no vectorised kernel.

@@ -311,9 +311,11 @@ PAGELLM_INLINE void pv_quad(const float* p, int64_t ns, const int32_t* row, unsi
 // acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
 // [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in. kDot (bf16): the
 // pairs inside [lo, hi) by pv_pair_dot on pw (p's pairs, row stride ns / 2), a pair cut by lo or hi by the FMAs.
+// pf (kDot, optional): a region of the cache laid out as vb, its lines of each pair prefetched into L2 alongside
+// (ReadAhead).
 template <int NV, int C, typename T, bool kDot = false>
 PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo, int64_t hi,
-                             __m512 (&acc)[NV][C], const int32_t* pw = nullptr) {
+                             __m512 (&acc)[NV][C], const int32_t* pw = nullptr, const char* pf = nullptr) {
   constexpr int x = pack_x<T>();
   constexpr int64_t D = 16 * C;
   const int32_t* w = reinterpret_cast<const int32_t*>(vb);
@@ -333,8 +335,14 @@ PAGELLM_INLINE void pv_block(const float* p, int64_t ns, const T* vb, int64_t lo
     int64_t i = lo / 2;
     if (lo % 2) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, false, true, acc), ++i;
     for (; 2 * i + 1 < hi; ++i)
-      if constexpr (kDot) pv_pair_dot<NV, C>(pw + i, ns / 2, w + i * D, acc);
-      else pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
+      if constexpr (kDot) {
+        if (pf)
+          PAGELLM_UNROLL
+          for (int c = 0; c < C; ++c) _mm_prefetch(pf + (i * D + 16 * c) * 4, _MM_HINT_T1);
+        pv_pair_dot<NV, C>(pw + i, ns / 2, w + i * D, acc);
+      } else {
+        pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, true, acc);
+      }
     if (2 * i < hi) pv_pair<NV, C, T>(p + 2 * i, ns, w + i * D, true, false, acc);
   } else {
     for (int64_t t = lo; t < hi; ++t)

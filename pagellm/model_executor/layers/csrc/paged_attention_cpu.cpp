@@ -95,6 +95,7 @@ struct Scratch {
   std::vector<float> qf, S, of, qinv;
   std::vector<uint16_t> P;
   std::vector<uint16_t> q16;  // fp16 bits
+  ReadAhead stream;           // decode tasks' (attention_avx512.h)
 #if defined(PAGELLM_AMX_DECODE)
   AmxDecode amx;
 #endif
@@ -157,6 +158,7 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
     // the next task's blocks only where it reads the cache itself (not a staged copy)
     const bool direct = next && !(!st.on.empty() && st.on[next->r]) && !(!st16.on.empty() && st16.on[next->r]);
     NextBlocks ahead(a, direct ? next : nullptr, kc, vc, qp);
+    ahead.stream = &w.stream;
     done = attend_dims<KV>(ad, t, w.qf.data(), kc, vc, w.S.data(), w.of.data(), ahead);
   }
 #elif defined(PAGELLM_HAS_AVX2)

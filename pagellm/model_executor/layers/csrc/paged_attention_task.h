@@ -68,7 +68,7 @@ inline Span span_of(const Args& a, const Task& t) {
 
 // The first blocks (keys, then values, each of the task's kv heads) of the task a thread runs next, brought into L2
 // a few lines at a time while the thread's current task runs its softmax and value pass, on data already in the
-// caches. Without it a decode step's attention did its memory reads and its arithmetic one after the other: 64
+// caches (decode rows on VDPBF16PS take ReadAhead below instead). Without it a decode step's attention did its memory reads and its arithmetic one after the other: 64
 // decode rows x 30 layers over 362-token contexts took about the time of a sum over the cache plus that of the
 // same kernel on blocks held in L2. With it (Zen 4, 2026-12-04, alternating in one process, 10 rounds, medians):
 // 25.7-27.3 against 28.7-29.2 ms, blocks in order or shuffled (32 to 192 KiB ahead alike); workload_64, 3
@@ -80,11 +80,14 @@ struct NextBlocks {
   static constexpr int kMaxRegions = 64;
   const char* at[kMaxRegions];
   int64_t regions = 0, lines = 0, next = 0;  // lines: per region
+  const Task* task = nullptr;          // the next task
+  struct ReadAhead* stream = nullptr;  // a decode task's read-ahead (the thread's), which replaces issue() there
 
   // q (optional): the queries, whose rows of the next task are prefetched at once (their loads at a task's start
   // missed: half of the samples of a prefill task's set-up, the scores' queries copied out)
   template <typename KV, typename T = KV>
   NextBlocks(const Args& a, const Task* t, const KV* kc, const KV* vc, const T* q = nullptr) {
+    task = t;
     if (!t) return;
     if (q) {
       const int64_t bytes = ((t->nh * a.G - 1) * a.q_s1 + a.D) * static_cast<int64_t>(sizeof(T));  // a row's heads
@@ -110,6 +113,54 @@ struct NextBlocks {
     for (const int64_t end = std::min(total(), next + n); next < end; ++next)
       __builtin_prefetch(at[next / lines] + (next % lines) * 64, 0, 2);
   }
+};
+
+// A decode task's read-ahead: the (block, kv head) regions of keys and values a thread reads, in the order it reads
+// them (the task's keys block by block, its values head by head, then its next task's), brought into L2 a fixed
+// distance ahead of the reads, as they go: take() hands the attention loops the region to prefetch alongside the
+// one they read (score_block32's pk, pv_block's pf), so the memory streams at one steady rate through both passes
+// and across tasks. It replaced, for decode rows, the next block's keys and this block's values prefetched during
+// the scores and the next task's first blocks during the value pass (NextBlocks::issue), whose bursts stalled the
+// core: the prefetches themselves held ~13% of the kernel's samples, the value pass's loads most of the rest of
+// its stalls. Zen 4 (2026-12-06), decode steps' attention, 30 layers, two threads, alternating in one process, 15
+// rounds, min / median: 64 rows over 362-token contexts 22.1 / 23.2 against 23.4 / 24.6 ms (10 prompt blocks each,
+// then decode blocks interleaved as the engine hands them out; shuffled blocks 22.5 / 23.3 against 23.6 / 24.2);
+// 8 rows over 2,000 tokens 14.4 / 15.0 against 17.1 / 17.9 ms, 2 over 8,000 15.8 / 16.7 against 18.2 / 19.3 ms.
+// The outputs are the same bits. 16 KiB ahead did about as well as 32 and 64 KiB.
+struct ReadAhead {
+  static constexpr int64_t kBytes = 32 * 1024;
+  std::vector<const char*> regions;
+  int64_t own = 0, pos = 0;         // the task's regions; the next one to prefetch
+  int64_t carried = 0;              // regions of `expected` prefetched by the task before it
+  const Task* expected = nullptr;   // the thread's next task, as the last task saw it
+
+  template <typename KV>
+  void add(const Args& a, const Task& t, const KV* kc, const KV* vc) {
+    const Span s = span_of(a, t);
+    for (int64_t b = s.b0; b <= s.b1; ++b)
+      for (int64_t h = t.h; h < t.h + t.nh; ++h)
+        regions.push_back(reinterpret_cast<const char*>(kc + a.bt[t.r * a.MB + b] * a.k_sb + h * a.k_sh));
+    for (int64_t h = t.h; h < t.h + t.nh; ++h)
+      for (int64_t b = s.b0; b <= s.b1; ++b)
+        regions.push_back(reinterpret_cast<const char*>(vc + a.bt[t.r * a.MB + b] * a.v_sb + h * a.v_sh));
+  }
+  // At task t's start: its regions and those of the thread's next task; those the task before did not prefetch
+  // up to the distance go now.
+  template <typename KV>
+  void begin(const Args& a, const Task& t, const Task* next, const KV* kc, const KV* vc) {
+    regions.clear();
+    add(a, t, kc, vc);
+    own = static_cast<int64_t>(regions.size());
+    if (next) add(a, *next, kc, vc);
+    const int64_t bytes = a.B * a.D * static_cast<int64_t>(sizeof(KV));
+    const int64_t ahead = std::min<int64_t>(std::max<int64_t>(1, kBytes / bytes), regions.size());
+    for (int64_t i = &t == expected ? carried : 0; i < ahead; ++i)
+      for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(regions[i] + l, 0, 2);
+    pos = ahead;
+    expected = next;
+  }
+  const char* take() { return pos < static_cast<int64_t>(regions.size()) ? regions[pos++] : nullptr; }
+  void end() { carried = std::max<int64_t>(0, pos - own); }
 };
 
 // Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi). P16 (kDot):

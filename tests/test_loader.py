@@ -17,7 +17,7 @@ import transformers
 import gguf
 from gguf import GGMLQuantizationType as Q
 from pagellm.model_executor import default_model as dm
-from pagellm.model_executor import gguf_loader
+from pagellm.model_executor import gguf_config, gguf_loader
 from pagellm.model_executor.loader import (
     SUPPORTED_ARCHITECTURES,
     LoadedCheckpoint,
@@ -239,7 +239,7 @@ def test_smollm2_gguf_weights_identical_to_transformers_from_pretrained(smol, gg
 
 def assert_same_model_config(ours: transformers.PretrainedConfig, theirs: transformers.PretrainedConfig,
                              architecture: str) -> None:
-    """ours (a GGUF file's plain config, gguf_loader.GGUF_CONFIGS) against the model type's own transformers class:
+    """ours (a GGUF file's plain config, gguf_config.GGUF_CONFIGS) against the model type's own transformers class:
     every field ours holds has transformers' value, and what the engine derives from either is the same (the
     model's shape, its RoPE tables, its end tokens). Fields only theirs holds are defaults the engine reads as such."""
     a, b = ours.to_dict(), theirs.to_dict()
@@ -271,9 +271,9 @@ def test_smollm2_gguf_config_matches_transformers(smol, hf_smol):
 
 
 def test_gguf_config_classes_pickle_and_save_as_their_model_type(smol, tmp_path):
-    assert set(gguf_loader.GGUF_CONFIGS) == {mt for mt, _ in gguf_loader.GGUF_ARCHITECTURES.values()}
+    assert set(gguf_config.GGUF_CONFIGS) == {mt for mt, _ in gguf_config.GGUF_ARCHITECTURES.values()}
     c = smol.hf_config
-    assert type(c) is gguf_loader.LlamaGGUFConfig
+    assert type(c) is gguf_config.LlamaGGUFConfig
     assert pickle.loads(pickle.dumps(c)).to_dict() == c.to_dict()
     c.save_pretrained(tmp_path)
     back = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -355,7 +355,7 @@ def test_tiny_gguf_roundtrip(tiny_gguf, arch):
     assert abs(c.rms_norm_eps - cfg.rms_norm_eps) < 1e-12
     # the same fields in the model type's own class
     f = gguf_loader.open_gguf(path)
-    model_type, fields = gguf_loader.gguf_config_args(gguf_loader.read_metadata(f), {t.name: t.shape for t in f.tensors},
+    model_type, fields = gguf_config.gguf_config_args(gguf_loader.read_metadata(f), {t.name: t.shape for t in f.tensors},
                                                       path)
     assert_same_model_config(c, transformers.AutoConfig.for_model(model_type, **fields), GGUF_ARCHS[arch])
     # bf16 load converts the same values
@@ -416,7 +416,7 @@ def test_gguf_tokenizer_cache(tiny_gguf, arch, tmp_path, monkeypatch):
     read the saved files and get the same tokenizer; a damaged entry is rebuilt."""
     monkeypatch.setenv("PAGELLM_CACHE", str(tmp_path))
     path = tiny_gguf[arch][0]
-    cache = gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path))
+    cache = gguf_config.tokenizer_cache_path(gguf_loader.open_gguf(path))
     assert cache.parent == tmp_path / "tokenizers" and not cache.exists()
     built = load_checkpoint(str(path), torch.float32).tokenizer
     assert (cache / "tokenizer.json").is_file()
@@ -431,19 +431,19 @@ def test_gguf_tokenizer_cache(tiny_gguf, arch, tmp_path, monkeypatch):
 
 
 def test_gguf_tokenizer_cache_keyed_by_header_and_transformers_version(tiny_gguf, monkeypatch):
-    keys = {gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(tiny_gguf[a][0])) for a in GGUF_ARCHS}
+    keys = {gguf_config.tokenizer_cache_path(gguf_loader.open_gguf(tiny_gguf[a][0])) for a in GGUF_ARCHS}
     assert len(keys) == len(GGUF_ARCHS)
     path = tiny_gguf["llama"][0]
-    before = gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path))
+    before = gguf_config.tokenizer_cache_path(gguf_loader.open_gguf(path))
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
-    assert gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(path)) != before
+    assert gguf_config.tokenizer_cache_path(gguf_loader.open_gguf(path)) != before
 
 
 def test_smollm2_gguf_tokenizer_cache(gguf_path, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE", str(tmp_path))
     built = load_checkpoint(str(gguf_path), torch.bfloat16).tokenizer
     cached = load_checkpoint(str(gguf_path), torch.bfloat16).tokenizer
-    assert (gguf_loader.tokenizer_cache_path(gguf_loader.open_gguf(gguf_path)) / "tokenizer.json").is_file()
+    assert (gguf_config.tokenizer_cache_path(gguf_loader.open_gguf(gguf_path)) / "tokenizer.json").is_file()
     assert_same_tokenizer(cached, built)
 
 
@@ -628,8 +628,8 @@ def test_gguf_config_rope_scaling_matches_transformers(arch, scaling):
         if original:
             meta[f"{arch}.rope.scaling.original_context_length"] = original
     shapes = {"token_embd.weight": (100, 64)}
-    ours = gguf_loader.gguf_config(meta, shapes, "x.gguf")
-    model_type, fields = gguf_loader.gguf_config_args(meta, shapes, "x.gguf")
+    ours = gguf_config.gguf_config(meta, shapes, "x.gguf")
+    model_type, fields = gguf_config.gguf_config_args(meta, shapes, "x.gguf")
     assert_same_model_config(ours, transformers.AutoConfig.for_model(model_type, **fields), GGUF_ARCHS[arch])
     assert ours.rope_parameters["rope_type"] == (scaling[0] if scaling else "default")
 

@@ -104,7 +104,7 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
   const bool decode = pack_x<T>() == 2 && B % 32 == 0 && nv <= 4;  // decode rows (up to 4 query heads per kv head)
   ReadAhead* stream = kDot && decode ? ahead.stream : nullptr;  // the read-ahead, where the caller gives one
   if (stream) stream->begin(a, t, ahead.task, kc, vc);
-  else ahead.stream = nullptr;
+  else ahead.stream = nullptr;  // values_for then spreads NextBlocks' lines over the value pass
   // Block by block, and within a block head by head: a block's kv heads lie next to each other, so a task over
   // all of them reads each block's keys as one run (and a request's consecutive blocks as one stream).
   for (int64_t b = s.b0; b <= s.b1; ++b)

@@ -205,8 +205,8 @@ def gguf_blocks(ops) -> None:
 
 
 def int8_linears(ops) -> None:
-    """SmolLM2's 120 layer linears on random Q4_1 blocks: q4_vnni_linear (the weight rounded to int8 per 32-deep
-    block, x per row but for 8 outlier channels, EngineConfig.gguf_int8_activations; what CPUs without AMX run past
+    """SmolLM2's 120 layer linears on random Q4_1 blocks: q4_vnni_linear (the weight rounded to int8 per output
+    column, x per row but for 8 outlier channels, EngineConfig.gguf_int8_activations; what CPUs without AMX run past
     4 rows) against the tile kernels this CPU has on the dequantized bf16 weights (gate/up in their silu(gate) * up
     forms)."""
     if not ops.q4_vnni_linear_supported():

@@ -135,10 +135,10 @@ class EngineConfig:
     # (layers/quantized.py). False: the dequantized bf16 weights only
     gguf_quantized_linears: bool = True
     # ... and on CPUs with AVX512-VNNI but no AMX, linears with more rows on a 4-bit weight (Q4_0, Q4_1, Q4_K) take
-    # int8 dot products: the weight's values rounded to int8 per 32-deep block (at most max|w| / 254 off), x to
-    # int8 per row as vLLM's dynamic per-token int8 linears (at most max|x| / 254; 8 outlier channels per weight
-    # taken exactly), for twice the products per instruction on Zen 4 and four times fp32's on Intel
-    # (csrc/q4_vnni_linear_cpu.cpp). False: bf16 x throughout
+    # int8 dot products: the weight's values rounded to int8 per output column (at most max|w| / 254 off), x to
+    # int8 per row, as vLLM's int8 linears (per-channel weights, dynamic per-token activations; at most max|x| /
+    # 254, 8 outlier channels per weight taken exactly), for twice the products per instruction on Zen 4 and four
+    # times fp32's on Intel (csrc/q4_vnni_linear_cpu.cpp). False: bf16 x throughout
     gguf_int8_activations: bool = True
     # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
     # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-

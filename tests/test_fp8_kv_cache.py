@@ -111,11 +111,14 @@ def test_fp8_cache_under_preemption(tiny_checkpoint, mode):
     assert pool_is_whole(llm) and pool_is_whole(roomy)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,least", [("fp8_e4m3", 0.95), ("fp8_e5m2", 0.9)])
+@pytest.mark.parametrize("kv_cache_dtype,least", [("fp8_e4m3", 0.9), ("fp8_e5m2", 0.85)])
 def test_default_model_with_fp8_cache_agrees_with_fp32(gguf_path, fp32_reference, kv_cache_dtype, least):
     """Teacher-forced top-1 agreement (pagellm bench agreement's measure) of bf16 with an fp8 cache against the
-    fp32 reference on the default model, over prompts of 2-300 tokens. Measured 2026-12-01: 188 / 192 positions
-    with e4m3, 177 with e5m2 (2 mantissa bits), 189 with the bf16 cache; a misread cache gives next to none."""
+    fp32 reference on the default model, over prompts of 2-300 tokens. Measured 2026-12-01 (AMX, bf16 linears):
+    188 / 192 positions with e4m3, 177 with e5m2 (2 mantissa bits), 189 with the bf16 cache. On Zen 4, whose
+    linears take int8 x and the weight rounded to int8 (EngineConfig.gguf_int8_activations), 2026-12-06: 185 and
+    175 with a step per 32-deep block of the weight, 177-179 and 172-174 with a step per column (fp32 rounding alone
+    moves a few of these near-ties). A misread cache gives next to none."""
     from pagellm import LLM
 
     llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype)

@@ -1,6 +1,6 @@
 """The int8 dot-product linear on a 4-bit GGUF weight (csrc/q4_vnni_linear_cpu.cpp: q4_vnni_linear;
 layers/quantized.py: pack_vnni_q4), for CPUs with AVX512-VNNI but no AMX: the weight's values rounded to int8 per
-32-deep block (s = max|w| / 127), x to int8 per row (dx = max|x| / 127), both ties to even, fp32 sums. Its output
+output column (s = max|w| / 127), x to int8 per row (dx = max|x| / 127), both ties to even, int32 sums. Its output
 must be that math's within bf16's rounding, x's int8 values exactly those described, the silu form the two steps
 bit for bit, and the engine must route more than GEMV_MAX_ROWS rows to it where it is enabled. AMX machines run it
 too (the engine only picks it without AMX), so these tests run wherever the CPU has AVX512-VNNI."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, CPUKernels, CPULinear,
-                                                  cpu_kernels, vnni_q4_form)
+from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, VNNI_Q4_MAX_K, CPUKernels,
+                                                  CPULinear, cpu_kernels, vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from test_gguf_linear import random_blocks
 
@@ -31,10 +31,9 @@ def round_to_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_weight(q: GGUFWeight) -> torch.Tensor:
-    """The weight as the kernel holds it (fp32 [N, K]): its exact values rounded to int8 steps per 32-deep block."""
-    w = q.dequantize()
-    w8, step = round_to_int8(w.view(w.shape[0], -1, 32))
-    return (w8 * step).reshape(w.shape)
+    """The weight as the kernel holds it (fp32 [N, K]): its exact values rounded to int8 steps per output column."""
+    w8, step = round_to_int8(q.dequantize())
+    return w8 * step
 
 
 def int8_math(x: torch.Tensor, q: GGUFWeight, bias: torch.Tensor | None = None,
@@ -61,16 +60,16 @@ def test_pack_vnni_q4_puts_each_weight_where_the_kernel_reads_it():
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 40, 96, seed=3))
     q8, sc = q.pack_vnni_q4()
     assert q8.shape == (3, 3, 8, 64) and q8.dtype == torch.int8
-    assert sc.shape == (3, 3, 2, 16) and sc.dtype == torch.float32
+    assert sc.shape == (3, 2, 16) and sc.dtype == torch.float32
     w8 = q8.view(3, 3, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 96).float()  # [t n, b j e]
-    step = sc[:, :, 0].permute(0, 2, 1).reshape(48, 3, 1).expand(48, 3, 32).reshape(48, 96)
-    offset = sc[:, :, 1].contiguous().view(torch.int32).permute(0, 2, 1).reshape(48, 3)
+    step = sc[:, 0].reshape(48, 1)
+    offset = sc[:, 1].contiguous().view(torch.int32).reshape(48)
     assert torch.equal((w8 * step)[:40], int8_weight(q)) and not w8[40:].any() and not step[40:].any()
-    assert torch.equal(offset, -128 * w8.view(48, 3, 32).sum(-1).int())
-    # each value at most half a step from the exact weight, each block's largest at +-127 steps
+    assert torch.equal(offset, -128 * w8.sum(-1).int())
+    # each value at most half a step from the exact weight, each column's largest at +-127 steps
     w = q.dequantize()
     assert ((w8[:40] * step[:40] - w).abs() <= step[:40] * (0.5 + 2**-16)).all()
-    assert (w8[:40].view(40, 3, 32).abs().amax(-1) == 127).all()
+    assert (w8[:40].abs().amax(-1) == 127).all()
     with pytest.raises(ValueError, match="q4_1 layout, not q8_0"):
         GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 16, 64)).pack_vnni_q4()
 
@@ -88,7 +87,7 @@ def test_the_int8_math_within_bf16_rounding(kind, rows):
             got = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
             ops.q4_vnni_linear(x, *vnni_q4_form(q, 0), bias, got, False)
             want, size = int8_math(x, q, bias)
-            # bf16's rounding of the result, and fp32 sums of ~K/16 rounded terms
+            # bf16's rounding of the result, and the exact int32 sum's conversion and products in fp32
             assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-18 * size).all(), (n, k, bias is None)
             assert got.abs().sum() > 0
 
@@ -223,6 +222,13 @@ def test_bad_operands_get_clear_errors():
         ops.q4_vnni_linear(x, q8, sc, torch.tensor([5, 3] + [-1] * (len(ch) - 2), dtype=torch.int32), wc, None,
                            out, False)
     assert (ch == -1).all()  # no call above got as far as choosing
+    # past VNNI_Q4_MAX_K the int32 sums could overflow: the kernel refuses, and CPULinear keeps the bf16 paths
+    deep = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 16, VNNI_Q4_MAX_K + 32))
+    xd = torch.randn(2, VNNI_Q4_MAX_K + 32).bfloat16()
+    with pytest.raises(RuntimeError, match="K = 44160 is over 44128"):
+        ops.q4_vnni_linear(xd, *vnni_q4_form(deep), None, torch.empty(2, 16, dtype=torch.bfloat16), False)
+    lin = CPULinear(deep.dequantize().bfloat16(), None, cpu_kernels(NoAmx(), torch.bfloat16))
+    assert lin.set_gguf(deep) and lin.vnni_q4 is None
 
 
 class NoAmx:
@@ -298,10 +304,12 @@ def int8_engine(gguf_path, **kw):
 def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
     # The C++ layer loop runs q4_vnni_linear for prefill and for decode steps of more than 4 rows, and the pool ends
     # whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`, workload_16,
-    # 2,048 positions) gave 99.07% on Zen 4, 2026-12-06 (99.46-99.56% with the 4-bit weight as it is and x rounded
-    # per 32-deep block), against 99.71% on the bf16 weights. The tests' text prompts are 192 positions, one of them
-    # 0.52%: 96.9% here (x per block: 96.4-97.9% over 4-32 outlier channels, 95.8% with none), and bf16 paths 97.4%
-    # (bf16 x on the same weights in the Python loop) to 99.0% (AMX).
+    # 2,048 positions) gave 99.02% on Zen 4, 2026-12-06 (99.07% with a step per 32-deep block of the weight,
+    # 99.46-99.56% with the 4-bit weight as it is and x rounded per 32-deep block), against 99.71% on the bf16
+    # weights; workload_64 (8,192 positions) 98.54% (98.73% with a step per block). The tests' text prompts are 192
+    # positions, one of them 0.52%: 95.3% here (96.9% with a step per block; x per block: 96.4-97.9% over 4-32
+    # outlier channels, 95.8% with none), and bf16 paths 97.4% (bf16 x on the same weights in the Python loop) to
+    # 99.0% (AMX). A broken kernel falls far below.
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import pool_is_whole, teacher_forced_agreement
@@ -315,7 +323,7 @@ def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
     assert "pagellm::q4_vnni_linear" in names and "pagellm::q4_vnni_linear_silu_mul" in names
     assert "pagellm::amx_q4_linear" not in names
     assert pool_is_whole(llm)
-    assert teacher_forced_agreement(llm, fp32_reference) >= 0.96
+    assert teacher_forced_agreement(llm, fp32_reference) >= 0.94
 
 
 @needs_vnni

@@ -67,9 +67,9 @@ AMX_Q4_MAX_ROWS rows (``csrc/amx_q4_panels.h``, ``pack_amx_q4``): each B tile re
 multiplies, bit for bit amx_linear's output on the loaded bf16 weight, from 6 bits a weight read instead of 16.
 Without AMX but with AVX512-VNNI, a 4-bit weight takes every row count past GEMV_MAX_ROWS on int8 dot products
 (``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): the weight's values
-rounded to int8 per 32-deep block at load, x to int8 per row at each call (vLLM's dynamic per-token int8), but for
-INT8_OUTLIER_CHANNELS channels taken exactly; twice the dot product's products on Zen 4, four times fp32 FMAs' on
-Intel.
+rounded to int8 per output column at load, x to int8 per row at each call (vLLM's int8 linears: per-channel
+weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels taken exactly; twice the dot
+product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_Q4_MAX_K keep the bf16 paths.
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
+VNNI_Q4_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -239,7 +240,7 @@ class CPULinear(nn.Module):
         if isinstance(q, GGUFWeight) and q.kind == "q4_1":
             if self.amx is not None and self.kernels.amx_q4 is not None:
                 self.amx_q4 = q.pack_amx_q4()
-            elif self.fma is not None and self.kernels.vnni_q4 is not None:
+            elif self.fma is not None and self.kernels.vnni_q4 is not None and q.shape[1] <= VNNI_Q4_MAX_K:
                 self.vnni_q4 = vnni_q4_form(q)
         return True
 

@@ -172,25 +172,24 @@ class GGUFWeight:
         return q4, self._tile_scales()
 
     def pack_vnni_q4(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A q4_1 weight as the int8 dot-product kernel takes it (``csrc/q4_vnni_linear_cpu.cpp``): each 32-deep
-        block's exact values w = d q + m rounded to int8 steps of s = max|w| / 127 (nearest, ties to even; at most
-        s / 2 off, about bf16's rounding of the block's largest values), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e
-        of row j holding column n's value at depth 4 j + e (one VPDPBUSD operand); fp32 [ceil(N/16), K/32, 2, 16]:
-        the 16 columns' s, then the bits of their int32 offsets, -128 times the block's sum of int8 values. Columns
-        past N: zeros."""
+        """A q4_1 weight as the int8 dot-product kernel takes it (``csrc/q4_vnni_linear_cpu.cpp``): each output
+        column's exact values w = d q + m rounded to int8 steps of s = max|w| / 127 over the column (nearest, ties
+        to even; at most s / 2 off), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e of row j of block b holding
+        column n's value at depth 32 b + 4 j + e (one VPDPBUSD operand); fp32 [ceil(N/16), 2, 16]: the 16 columns'
+        s, then the bits of their int32 offsets, -128 times the column's sum of int8 values. Columns past N:
+        zeros."""
         if self.kind != "q4_1":
             raise ValueError(f"the 4-bit kernels take the q4_1 layout, not {self.kind}")
         n, kc = self.qs.shape[0], self.qs.shape[1]
         tiles = -(-n // 16)
-        w = torch.zeros(tiles * 16, kc, 32)
-        w[:n] = self.dequantize().view(n, kc, 32)
+        w = torch.zeros(tiles * 16, kc * 32)
+        w[:n] = self.dequantize().view(n, kc * 32)
         step = w.abs().amax(-1, keepdim=True) / 127
         inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
         w8 = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)
-        out = torch.empty(tiles, kc, 2, 16, dtype=torch.float32)
-        out[:, :, 0] = step.view(tiles, 16, kc).permute(0, 2, 1)
-        offset = (-128 * w8.sum(-1, dtype=torch.int32)).view(tiles, 16, kc).permute(0, 2, 1)
-        out[:, :, 1].view(torch.int32).copy_(offset)
+        out = torch.empty(tiles, 2, 16, dtype=torch.float32)
+        out[:, 0] = step.view(tiles, 16)
+        out[:, 1].view(torch.int32).copy_((-128 * w8.sum(-1, dtype=torch.int32)).view(tiles, 16))
         packed = w8.view(tiles, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, kc, 8, 64).contiguous()
         return packed, out
 

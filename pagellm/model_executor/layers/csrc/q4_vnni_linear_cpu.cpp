@@ -1,42 +1,44 @@
 // y = x W^T (+ bias) for a 4-bit GGUF weight (the q4_1 layout of layers/quantized.py: Q4_0, Q4_1, Q4_K) on
-// AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per 32-deep block at load, x to int8 per row
-// at each call, as vLLM's dynamic per-token int8 linears; for CPUs without AMX (layers/linear.py: CPULinear.vnni_q4;
-// EngineConfig.gguf_int8_activations).
+// AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per output column at load, x to int8 per row
+// at each call, as vLLM's int8 linears (per-channel weights, dynamic per-token activations); for CPUs without AMX
+// (layers/linear.py: CPULinear.vnni_q4; EngineConfig.gguf_int8_activations).
 //
 // Why: without AMX the bf16 linears run on VDPBF16PS (Zen 4) or fp32 FMAs, and there they are bound by the
 // multiply-adds, not by memory: on Zen 4 the 120 layer linears ran at 93-98% of VDPBF16PS's peak, ~75% of
 // workload_64's time. VPDPBUSD retires at the same rate there (3.65 G/s a core) with twice the products (64 a
 // zmm), and at twice the fp32 FMA's rate on Intel (6.8 G/s a core here) with four times its products. On Zen 4
-// every other vector operation of the loop shares VPDPBUSD's pipes, so what a 32-deep block's int32 sums cost
-// besides their 8 VPDPBUSD sets the speed: ~8% per operation per row, 16 columns and block (2026-12-06). The
-// 4-bit weight as it is (d q + m per block, x scaled per block as llama.cpp's Q4_1 x Q8_1) took four (conversion,
-// x's scale, d, m's term); here there are two (conversion, the block's step): the 120 linears took 0.82-0.85x the
-// time at 64-2,048 rows, and workload_64 ~0.91x.
+// every other vector operation of the loop shares VPDPBUSD's pipes. The 4-bit weight as it is (d q + m per 32-deep
+// block, x scaled per block as llama.cpp's Q4_1 x Q8_1) took four such operations a block besides its 8 VPDPBUSD
+// sets; the weight rounded to int8 per block took two (conversion, the block's step): the 120 linears took
+// 0.82-0.85x the time at 64-2,048 rows. One step per column takes none: the int32 sums run the whole depth, and
+// the linears took 0.88-0.89x that again (2026-12-06).
 //
-// The math, per row r, output column n and block b (32 k). The weight's block (w = d q + m, exact in fp32) is
-// s[n,b] * w8 with s = max|w| / 127 and w8 = round_half_even(w * (1 / s)) (layers/quantized.py: pack_vnni_q4; at
-// most s / 2 off, about bf16's rounding of the block's largest values). x's row is dx[r] * xq, dx = max|x| / 127,
-// xq = round_half_even(x * (1 / dx)) in [-127, 127], stored as xq + 128 (VPDPBUSD's unsigned operand). Then
-//   y[r][n] = dx[r] * sum_b s[n,b] * I_b[r][n],  I_b = sum_k xq w8 (int32, exact),
-// I_b's sums starting from the block's offset -128 * sum_k w8 to take out x's + 128, accumulated in fp32 block by
-// block with fused multiply-adds, then times dx. A row holding a NaN or an infinity gets NaN.
-// Teacher-forced agreement with fp32 on workload_16 (`pagellm bench agreement`): 99.07% (lowest prompt 96.88%) on
-// Zen 4, against 99.46% (98.44%) with the 4-bit weight as it is and x scaled per block, and 99.71% on the bf16
-// weights.
+// The math, per row r and output column n. The weight's column (w = d q + m per block, exact in fp32) is s[n] *
+// w8 with s = max|w| / 127 over the column and w8 = round_half_even(w * (1 / s)) (layers/quantized.py:
+// pack_vnni_q4; at most s / 2 off). x's row is dx[r] * xq, dx = max|x| / 127, xq = round_half_even(x * (1 / dx))
+// in [-127, 127], stored as xq + 128 (VPDPBUSD's unsigned operand). Then
+//   y[r][n] = dx[r] * s[n] * I[r][n],  I = sum_k xq w8 (int32, exact),
+// I's sums starting from the column's offset -128 * sum_k w8 to take out x's + 128; I is converted to fp32 once
+// (exact below 2^24, within fp32's rounding above), times s, then times dx. Partial sums stay within
+// K * (128 + 255) * 127, under 2^31 up to K = VNNI_Q4_MAX_K (44,128). A row holding a NaN or an infinity gets NaN.
+// Teacher-forced agreement with fp32 on workload_16 (`pagellm bench agreement`): 99.02% (lowest prompt 97.66%) on
+// Zen 4, against 99.07% (96.88%) with a step per 32-deep block, 99.46% (98.44%) with the 4-bit weight as it is
+// and x scaled per block, and 99.71% on the bf16 weights; on workload_64 98.54% against 98.73% with a step per
+// block.
 //
 // Outlier channels: a few input channels of a model's activations run ~20x the rest (SmolLM2's norm outputs), and
 // a row holding one gets a step that leaves its other values a few int8 steps: teacher-forced agreement on the
 // tests' text prompts fell from 97.4% (bf16 x, the same weights) to 95.8% with x scaled per block. So each weight
 // keeps P channels (layers/linear.py: INT8_OUTLIER_CHANNELS, 8) out of x's int8 values: chosen once, on its first
 // call, as the channels of largest |x| over that call's rows (ties: the lower index), they are zeroed before x is
-// quantized and added exactly instead, x[r][c] (bf16) times the weight's value there (s w8), after the blocks, 2-4%
+// quantized and added exactly instead, x[r][c] (bf16) times the weight's value there (s w8), after the sums, 2-4%
 // more multiply-adds. The choice lives in the caller's tensors (channels, wc), so every later call, in either layer
 // loop, takes the same one and a row's output does not depend on the other rows of its call; the engine makes the
 // first call a fixed prompt's (LLMEngine.choose_int8_outliers), so it is the same in every engine of a model.
 //
 // Layout (layers/quantized.py: pack_vnni_q4): q8 int8 [N/16][K/32][8][64]: row j of a block holds, at byte 4 n + e,
-// column n's w8 at depth 4 j + e (one VPDPBUSD operand: 16 columns x 4 depths); scales fp32 [N/16][K/32][2][16]:
-// the 16 columns' s, then the bits of their int32 offsets. Columns past N (N % 16) have w8 = s = 0.
+// column n's w8 at depth 4 j + e (one VPDPBUSD operand: 16 columns x 4 depths); scales fp32 [N/16][2][16]: the 16
+// columns' s, then the bits of their int32 offsets. Columns past N (N % 16) have w8 = s = 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,14 +56,19 @@
 namespace {
 using namespace pagellm;
 
+// The deepest weight whose int32 sums cannot overflow: K * (128 + 255) * 127 < 2^31, a multiple of 32
+// (layers/linear.py: VNNI_Q4_MAX_K, past which the engine keeps the bf16 paths)
+constexpr int64_t kMaxK = 44128;
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGELLM_Q4_VNNI 1
 using bf16 = c10::BFloat16;
 
 constexpr int64_t kRowChunk = 256;  // rows of x whose int8 copy (K bytes each) stays in L2 across column blocks
-// Rows per micro-kernel call: 2 x kMR int32 and as many fp32 accumulators, 24 of the 32 registers. 6 against 4:
-// SmolLM2's 120 layer linears at 2,048 rows took 0.94-0.99x the time on Zen 4 in four of five alternating runs
-// (1.05x in one); 8 rows spill. With NextPanels below, 64 rows (decode) took 0.94-0.96x (three runs).
+// Rows per micro-kernel call: 2 x kMR int32 accumulators. 6 against 4: SmolLM2's 120 layer linears at 2,048 rows
+// took 0.94-0.99x the time on Zen 4 in four of five alternating runs (1.05x in one, with a step per block then).
+// With NextPanels below, 64 rows (decode) took 0.94-0.96x (three runs). With a step per column, 8 rows took 1.04x
+// at 2,048 rows and 64, 12 rows 1.09x (2026-12-06).
 constexpr int kMR = 6;
 
 struct Gemm {
@@ -121,8 +128,7 @@ void choose_outliers(const Gemm& g, int32_t* chan, float* wc) {
     chan[p] = static_cast<int32_t>(c);
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t n = 0; n < 16; ++n)
-        wc[p * g.ldwc + t * 16 + n] =
-            g.scales[(t * KB + b) * 32 + n] * g.w8[((t * KB + b) * 8 + j) * 64 + 4 * n + e];
+        wc[p * g.ldwc + t * 16 + n] = g.scales[t * 32 + n] * g.w8[((t * KB + b) * 8 + j) * 64 + 4 * n + e];
   }
 }
 
@@ -168,26 +174,23 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
 }
 
 // f [R][NT * 16] = rows xu[0 .. R) (stride K) against NT 16-column tiles w[t] (their [K/32][8][64] int8 values,
-// s[t] their [K/32][2][16] steps and offsets), times the rows' dx, then plus the P outlier channels' products: xo
-// [R][P] times wc[t] (stride ldwc).
-// A block's int32 sums start from its offset, -128 times the column's sum of the block's values, so that they come
-// out exact as the sums of x's int8 values (not plus 128) times the weight's: two vector operations per row, 16
-// columns and 32-deep block (conversion, multiply-add) besides the 8 VPDPBUSD.
+// s[t] their [2][16] steps and offsets), times the rows' dx, then plus the P outlier channels' products: xo [R][P]
+// times wc[t] (stride ldwc).
+// The int32 sums start from the columns' offsets, -128 times the column's sum of values, so that they come out
+// exact as the sums of x's int8 values (not plus 128) times the weight's, and run the whole depth: nothing but
+// VPDPBUSD, the loads and prefetches in the loop.
 // Each 4-deep step also prefetches its tiles' row one 32-deep block ahead (K = 1,536: a 32-column panel is 48 KiB,
 // more than L1 holds, so each call reads it from L2) and one line of pf, the next column block's panels.
 template <int R, int NT>
 void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w, const float* const* s,
            const float* xo, int64_t P, const float* const* wc, int64_t ldwc, float* f, NextPanels* pf) {
   const int64_t KB = K / 32;
-  __m512 acc[R][NT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  __m512i isum[R][NT];
+  for (int t = 0; t < NT; ++t) {
+    const __m512i offset = _mm512_loadu_si512(s[t] + 16);
+    for (int r = 0; r < R; ++r) isum[r][t] = offset;
+  }
   for (int64_t b = 0; b < KB; ++b) {
-    __m512i isum[R][NT];
-    for (int t = 0; t < NT; ++t) {
-      const __m512i offset = _mm512_loadu_si512(s[t] + b * 32 + 16);
-      for (int r = 0; r < R; ++r) isum[r][t] = offset;
-    }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m512i wv[NT];
@@ -201,13 +204,13 @@ void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w
         for (int t = 0; t < NT; ++t) isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], xb, wv[t]);
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      const __m512 step = _mm512_loadu_ps(s[t] + b * 32);
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), step, acc[r][t]);
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_mul_ps(acc[r][t], _mm512_set1_ps(dx[r]));
+  __m512 acc[R][NT];
+  for (int t = 0; t < NT; ++t) {
+    const __m512 step = _mm512_loadu_ps(s[t]);
+    for (int r = 0; r < R; ++r)
+      acc[r][t] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), step), _mm512_set1_ps(dx[r]));
+  }
   for (int64_t p = 0; p < P; ++p)
     for (int t = 0; t < NT; ++t) {
       const __m512 wv = _mm512_loadu_ps(wc[t] + p * ldwc);
@@ -233,7 +236,7 @@ void micro_rows(int R, A... a) {
 void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels& pf) {
   const int64_t KB = g.K / 32;
   const int8_t* w[2] = {g.w8 + t0 * KB * 512, g.w8 + (t0 + nt - 1) * KB * 512};
-  const float* s[2] = {g.scales + t0 * KB * 32, g.scales + (t0 + nt - 1) * KB * 32};
+  const float* s[2] = {g.scales + t0 * 32, g.scales + (t0 + nt - 1) * 32};
   const float* wc[2] = {g.wc + t0 * 16, g.wc + (t0 + nt - 1) * 16};
   alignas(64) float tmp[kMR * 32];
   const uint8_t* xu = g.xu + r * g.K;
@@ -252,7 +255,7 @@ void add_panels(const Gemm& g, int64_t n0, NextPanels& pf) {
   for (int64_t t = t0; t < t0 + nt; ++t)
     for (const int64_t u : {t, t + g.N / 16}) {
       pf.add(g.w8 + u * KB * 512, KB * 512);
-      pf.add(g.scales + u * KB * 32, KB * 32 * sizeof(float));
+      pf.add(g.scales + u * 32, 32 * sizeof(float));
       if (!g.silu) break;
     }
 }
@@ -338,9 +341,10 @@ void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor&
   check_tile_rows(x, bias, out, silu_mul ? 2 * N : N, w_tiles, "q8");  // silu_mul: [gate | up], 2N columns
   TORCH_CHECK(q8.dim() == 4 && q8.is_contiguous() && q8.scalar_type() == at::kChar && q8.size(2) == 8 &&
               q8.size(3) == 64 && q8.size(1) * 32 == x.size(1), "q8: int8 [N/16, K/32, 8, 64]");
-  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-              scales.size(0) == w_tiles && scales.size(1) == q8.size(1) && scales.size(2) == 2 && scales.size(3) == 16,
-              "scales: float32 [N/16, K/32, 2, 16]");
+  TORCH_CHECK(x.size(1) <= kMaxK, "q4_vnni_linear: K = ", x.size(1), " is over ", kMaxK,
+              ", past which the int32 sums could overflow");
+  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+              scales.size(0) == w_tiles && scales.size(1) == 2 && scales.size(2) == 16, "scales: float32 [N/16, 2, 16]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
   const int64_t P = channels.numel();
   TORCH_CHECK(channels.dim() == 1 && channels.is_contiguous() && channels.scalar_type() == at::kInt &&

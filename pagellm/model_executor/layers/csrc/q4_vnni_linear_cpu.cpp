@@ -145,18 +145,20 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
       v0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b]), load16(x + b * 32));
       v1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[b] >> 16), load16(x + b * 32 + 16));
     };
-    __m512 a = _mm512_setzero_ps();
-    bool bad = false;
+    // max|x| on the bf16 bits, 32 values a step: without the sign bit a bf16 orders as its bits (0x7f80 infinity,
+    // above it NaN), and bf16 to fp32 is exact, so this is the fp32 values' max|x| (a third of the operations)
+    const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+    __m512i top = _mm512_setzero_si512();
     for (int64_t b = 0; b < KB; ++b) {
-      __m512 v0, v1;
-      block(b, v0, v1);
-      a = _mm512_max_ps(a, _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      bad |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) != 0;
+      const __m512i v = _mm512_and_si512(_mm512_loadu_si512(x + b * 32), magnitude);
+      top = _mm512_mask_max_epu16(top, static_cast<__mmask32>(keep[b]), top, v);
     }
+    const uint32_t bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(
+        _mm512_max_epu32(_mm512_and_si512(top, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(top, 16))));
     // d = max|x| / 127, NaN where the row holds a NaN or an infinity; 1 / d, 0 for an all-zero row and where d is
     // below 2^-128 (1 / d overflows): then every value is 0
-    const float amax = _mm512_reduce_max_ps(a);
-    const float d = bad || !(amax < inf) ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    const float amax = to_float(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+    const float d = bits >= 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     const float id = d > 0.f && 1.f / d < inf ? 1.f / d : 0.f;
     g.dx[r] = d;
     const __m512 vid = _mm512_set1_ps(id);

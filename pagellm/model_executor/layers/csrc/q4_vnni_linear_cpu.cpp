@@ -346,7 +346,8 @@ void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor&
   TORCH_CHECK(x.size(1) <= kMaxK, "q4_vnni_linear: K = ", x.size(1), " is over ", kMaxK,
               ", past which the int32 sums could overflow");
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-              scales.size(0) == w_tiles && scales.size(1) == 2 && scales.size(2) == 16, "scales: float32 [N/16, 2, 16]");
+              scales.size(0) == w_tiles && scales.size(1) == 2 && scales.size(2) == 16,
+              "scales: float32 [N/16, 2, 16]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
   const int64_t P = channels.numel();
   TORCH_CHECK(channels.dim() == 1 && channels.is_contiguous() && channels.scalar_type() == at::kInt &&

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, VNNI_Q4_MAX_K, CPUKernels,
-                                                  CPULinear, cpu_kernels, vnni_q4_form)
+from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, VNNI_Q4_MAX_EXCESS,
+                                                  VNNI_Q4_MAX_K, CPUKernels, CPULinear, cpu_kernels, vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from test_gguf_linear import random_blocks
 
@@ -58,7 +58,7 @@ def test_pack_vnni_q4_puts_each_weight_where_the_kernel_reads_it():
     # unpacked by hand: byte 4 n + e of row j of tile t, block b, holds column 16 t + n at depth 32 b + 4 j + e;
     # 40 columns: the third tile's last 8 columns are zeros
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 40, 96, seed=3))
-    q8, sc = q.pack_vnni_q4()
+    q8, sc, _ = q.pack_vnni_q4()
     assert q8.shape == (3, 3, 8, 64) and q8.dtype == torch.int8
     assert sc.shape == (3, 2, 16) and sc.dtype == torch.float32
     w8 = q8.view(3, 3, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 96).float()  # [t n, b j e]
@@ -276,6 +276,36 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
             assert act is None  # forward's GGUF kernel, then silu_and_mul
     off = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
     assert off.set_gguf(q) and off.vnni_q4 is None
+
+
+def excess_by_hand(q: GGUFWeight) -> float:
+    """The worst column's squared error added by int8_weight over its 4-bit rounding's (d^2 / 12 a weight)."""
+    added = (int8_weight(q).double() - q.dequantize().double()).square().sum(-1)
+    own = q.scales[..., 0].double().square().sum(-1) * 32 / 12
+    return (added / own).max().item()
+
+
+@needs_vnni
+def test_a_column_made_coarse_by_one_outlying_block_keeps_the_bf16_paths():
+    # The int8 form's step is a column's max|w| / 127: a block of large values (here constant: d = 0, m = 40, where
+    # the others' d are at most 0.028) coarsens the whole column past its 4-bit steps. pack_vnni_q4 measures that
+    # (its excess as computed by hand), and CPULinear keeps such a weight on the dot-product kernel's bf16 path.
+    kernels = cpu_kernels(NoAmx(), torch.bfloat16)
+    raw = random_blocks("Q4_1", 96, 256, seed=5)
+    fine = GGUFWeight.from_blocks("Q4_1", raw)
+    raw = raw.clone()
+    raw.view(96, 8, 20)[5, 3, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
+    coarse = GGUFWeight.from_blocks("Q4_1", raw)
+    for q in (fine, coarse):
+        assert q.pack_vnni_q4()[2] == pytest.approx(excess_by_hand(q), rel=1e-4)
+    assert fine.pack_vnni_q4()[2] < 0.2 < VNNI_Q4_MAX_EXCESS < 10 < coarse.pack_vnni_q4()[2]
+    assert vnni_q4_form(coarse, max_excess=VNNI_Q4_MAX_EXCESS) is None and vnni_q4_form(coarse) is not None
+    x = torch.randn(64, 256).bfloat16()
+    for q, int8 in ((fine, True), (coarse, False)):
+        w = q.dequantize().bfloat16()
+        lin, bf16 = CPULinear(w, None, kernels), CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
+        assert lin.set_gguf(q) and bf16.set_gguf(q) and (lin.vnni_q4 is not None) == int8
+        assert torch.equal(lin(x), bf16(x)) != int8
 
 
 def int8_engine(gguf_path, **kw):

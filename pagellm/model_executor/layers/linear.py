@@ -69,7 +69,9 @@ Without AMX but with AVX512-VNNI, a 4-bit weight takes every row count past GEMV
 (``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): the weight's values
 rounded to int8 per output column at load, x to int8 per row at each call (vLLM's int8 linears: per-channel
 weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels taken exactly; twice the dot
-product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_Q4_MAX_K keep the bf16 paths.
+product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_Q4_MAX_K keep the bf16 paths,
+as do weights whose int8 form would add, in some column, over VNNI_Q4_MAX_EXCESS of the 4-bit rounding's own
+squared error (one outlying value makes its column's int8 steps coarse).
 """
 from __future__ import annotations
 
@@ -92,6 +94,9 @@ GEMV_MAX_ROWS = 4
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
 VNNI_Q4_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
+# a weight whose int8 form adds, in some output column, over half the 4-bit rounding's own squared error keeps the
+# bf16 paths (GGUFWeight.pack_vnni_q4's excess; the default model's worst column: 0.36, its weights 0.009-0.016)
+VNNI_Q4_MAX_EXCESS = 0.5
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -151,11 +156,15 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return pairs.view(weight.dtype).view(-1, k // 32, 16, 16, 2)
 
 
-def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS) -> tuple[torch.Tensor, ...]:
+def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS,
+                 max_excess: float = math.inf) -> tuple[torch.Tensor, ...] | None:
     """q4_vnni_linear's operands for a q4_1 weight: its int8 values and steps (``GGUFWeight.pack_vnni_q4``), and room
     for ``outliers`` channels kept out of x's int8 values (int32 [P], -1 until the kernel's first call chooses
-    them) with the weight's values there (fp32 [P, ceil(N/16) * 16])."""
-    q8, scales = q.pack_vnni_q4()
+    them) with the weight's values there (fp32 [P, ceil(N/16) * 16]). None where the int8 form's excess error in
+    some column is over max_excess."""
+    q8, scales, excess = q.pack_vnni_q4()
+    if excess > max_excess:
+        return None
     p = min(outliers, q.shape[1])
     return q8, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(p, q8.shape[0] * 16)
 
@@ -241,7 +250,10 @@ class CPULinear(nn.Module):
             if self.amx is not None and self.kernels.amx_q4 is not None:
                 self.amx_q4 = q.pack_amx_q4()
             elif self.fma is not None and self.kernels.vnni_q4 is not None and q.shape[1] <= VNNI_Q4_MAX_K:
-                self.vnni_q4 = vnni_q4_form(q)
+                self.vnni_q4 = vnni_q4_form(q, max_excess=VNNI_Q4_MAX_EXCESS)
+                if self.vnni_q4 is None:
+                    logger.info("a %d x %d 4-bit weight keeps the bf16 paths: its int8 form is too coarse in some "
+                                "column (over %.2f of the 4-bit rounding's own error)", *q.shape, VNNI_Q4_MAX_EXCESS)
         return True
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:

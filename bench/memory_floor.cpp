@@ -1,4 +1,4 @@
-// The machine's memory floor, for judging how close a decode step is to it (docs/performance.md, "The decode
+// The machine's memory floor, for judging how close a decode step is to it (docs/performance-log.md, "The decode
 // step against the memory floor"). Prints:
 //   1. read bandwidth on 1 and 2 threads: sequential, and in chunks of 4 / 12 / 64 KiB taken in random order (a
 //      paged KV cache read per (block, kv head) is the 4 KiB case with 32-token bf16 blocks and head_dim 64),

@@ -281,7 +281,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // applies (amx_linear_silu_mul, bit for bit the two steps' result), else the linear into a gate_up buffer and
   // silu_and_mul. SmolLM2's 30 gate/up layers (`python bench/kernels.py`): 240 against 251 ms at 2,048 rows, 12.5
   // against 13.3 ms at 64; with the epilogue changes of the same day, workload_64's 2,048-token prefill steps in
-  // 6 process pairs: median 456 against 501 ms (docs/performance.md).
+  // 6 process pairs: median 456 against 501 ms (docs/performance-log.md).
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
     if (takes_q8(l, T) && I_ % 16 == 0) {

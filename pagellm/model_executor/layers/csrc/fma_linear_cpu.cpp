@@ -38,7 +38,7 @@
 //     multiple of 2^-25 of that largest.
 // SmolLM2's shapes: ~1.6x the fp32 path's speed; the mean error against fp64 1.6e-3 of the mean |y| against
 // 1.4e-3 (both mostly the bf16 rounding of y); teacher-forced top-1 agreement with fp32 on workload_16 0.9956
-// against 0.9951 (tests/test_fp16_linear.py, docs/performance.md).
+// against 0.9951 (tests/test_fp16_linear.py, docs/performance-log.md).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -296,9 +296,9 @@ def test_a_column_made_coarse_by_one_outlying_block_keeps_the_bf16_paths():
     raw = raw.clone()
     raw.view(96, 8, 20)[5, 3, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
     coarse = GGUFWeight.from_blocks("Q4_1", raw)
-    for q in (fine, coarse):
-        assert q.pack_vnni_q4()[2] == pytest.approx(excess_by_hand(q), rel=1e-4)
-    assert fine.pack_vnni_q4()[2] < 0.2 < VNNI_Q4_MAX_EXCESS < 10 < coarse.pack_vnni_q4()[2]
+    excess = [q.pack_vnni_q4()[2] for q in (fine, coarse)]
+    assert excess == [pytest.approx(excess_by_hand(q), rel=1e-4) for q in (fine, coarse)]
+    assert excess[0] < 0.2 < VNNI_Q4_MAX_EXCESS < 10 < excess[1]
     assert vnni_q4_form(coarse, max_excess=VNNI_Q4_MAX_EXCESS) is None and vnni_q4_form(coarse) is not None
     x = torch.randn(64, 256).bfloat16()
     for q, int8 in ((fine, True), (coarse, False)):

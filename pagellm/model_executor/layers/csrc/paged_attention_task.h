@@ -66,15 +66,15 @@ inline Span span_of(const Args& a, const Task& t) {
   return s;
 }
 
-// The first blocks (keys, then values, each of the task's kv heads) of the task a thread runs next, brought into L2
-// a few lines at a time while the thread's current task runs its softmax and value pass, on data already in the
-// caches (decode rows on VDPBF16PS take ReadAhead below instead). Without it a decode step's attention did its
-// memory reads and its arithmetic one after the other: 64 decode rows x 30 layers over 362-token contexts took
-// about the time of a sum over the cache plus that of the same kernel on blocks held in L2. With it (Zen 4, 2026-12-04, alternating in one process, 10 rounds, medians):
-// 25.7-27.3 against 28.7-29.2 ms, blocks in order or shuffled (32 to 192 KiB ahead alike); workload_64, 3
-// alternating process pairs: 20.8 / 21.7 / 20.9 against 21.7 / 21.0 / 21.8 s. What is left is the reads' own
-// pattern: the kernel's loads alone, without its arithmetic, take about as long (and 2 MiB pages, or 64- and
-// 128-token blocks, did not change it measurably end to end).
+// The first blocks (keys, then values, each of the task's kv heads) of the task a thread runs next, brought into L2 a
+// few lines at a time while the thread's current task runs its softmax and value pass, on data already in the caches
+// (decode rows on VDPBF16PS take ReadAhead below instead). Without it a decode step's attention did its memory reads
+// and its arithmetic one after the other: 64 decode rows x 30 layers over 362-token contexts took about the time of a
+// sum over the cache plus that of the same kernel on blocks held in L2. With it (Zen 4, 2026-12-04, alternating in one
+// process, 10 rounds, medians): 25.7-27.3 against 28.7-29.2 ms, blocks in order or shuffled (32 to 192 KiB ahead
+// alike); workload_64, 3 alternating process pairs: 20.8 / 21.7 / 20.9 against 21.7 / 21.0 / 21.8 s. What is left is
+// the reads' own pattern: the kernel's loads alone, without its arithmetic, take about as long (and 2 MiB pages, or 64-
+// and 128-token blocks, did not change it measurably end to end).
 struct NextBlocks {
   static constexpr int64_t kBytes = 96 * 1024;  // about what the memory delivers to a core during one value pass
   static constexpr int kMaxRegions = 64;

@@ -4,8 +4,9 @@
 
 Linear layers: the 120 layer linears of SmolLM2-135M (random bf16 weights, 270 MB: more than the caches hold) at
 several row counts, by every path this CPU has (plain F.linear, AMX, FMA, streaming, oneDNN packed), and on GGUF
-blocks at 1 and 4 rows against the streaming kernel, and at 8-2,048 rows by the int8 dot-product kernel on 4-bit
-weights (AVX512-VNNI) against the bf16 tile kernels on the same weights dequantized; the fused
+blocks at 1 and 4 rows (x as it is, and in int8 for 4-bit weights) against the streaming kernel, and at 8-2,048
+rows by the int8 dot-product kernel on 4-bit weights (AVX512-VNNI) against the bf16 tile kernels on the same
+weights dequantized; the fused
 element-wise ops against torch; the gate/up layer with silu(gate) * up in its epilogue against the two steps.
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
@@ -31,8 +32,8 @@ from test_gguf_linear import random_blocks  # noqa: E402  (the GGUF tests' block
 from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
-from pagellm.model_executor.layers.linear import (CPUKernels, CPULinear, cpu_kernels, pack_amx,  # noqa: E402
-                                                  pack_fp16, vnni_q4_form)
+from pagellm.model_executor.layers.linear import (CPUKernels, CPULinear, cpu_kernels, gguf_int8_form,  # noqa: E402
+                                                  pack_amx, pack_fp16, vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight  # noqa: E402
 
 
@@ -176,8 +177,8 @@ def gate_up_silu(ops) -> None:
 
 
 def gguf_blocks(ops) -> None:
-    """A decode step's linears at 1 and 4 rows on GGUF blocks against the bf16 streaming kernel on the same weights
-    dequantized (random blocks): SmolLM2's 120 layer linears (Q4_1) and LM head (Q8_0), as the default model's file;
+    """A decode step's linears at 1 and 4 rows on GGUF blocks, x as it is and (4-bit weights, where the kernel
+    builds) in int8, against the bf16 streaming kernel on the same weights dequantized (random blocks): SmolLM2's 120 layer linears (Q4_1) and LM head (Q8_0), as the default model's file;
     and four layers of TinyLlama-1.1B's shapes (hidden 2,048, intermediate 5,632) mixed as llama.cpp's Q4_K_M mixes
     them: Q4_K, with v and down in Q6_K (re-packed at load, layers/quantized.py)."""
     if not (ops.gguf_linear_supported() and ops.small_m_linear_supported()):
@@ -193,14 +194,22 @@ def gguf_blocks(ops) -> None:
                          ("TinyLlama shapes Q4_K / Q6_K, 4 layers", tiny_llama)):
         ws = [blocks(kind, n, k) for kind, n, k in shapes]
         dense = [w.dequantize().bfloat16() for w in ws]
+        # the 4-bit weights' int8-x forms (gguf_int8_linear), where this CPU has the kernel; the others exact
+        int8 = [gguf_int8_form(w) if w.kind == "q4_1" and ops.gguf_int8_linear_supported() else None for w in ws]
         for rows in (1, 4):
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in ws}}
             outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in ws]
-            emit(bench="decode linears on GGUF blocks, ms", weights=name, rows=rows, **best_ms({
+            fs = {
                 "gguf_blocks": lambda: [ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o)
                                         for w, o in zip(ws, outs)],
+                "gguf_int8_x": lambda: [ops.gguf_int8_linear(xs[w.shape[1]], w.qs, w.scales, *f, None, o) if f
+                                        else ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o)
+                                        for w, f, o in zip(ws, int8, outs)],
                 "bf16_streaming": lambda: [ops.small_m_linear(xs[d.shape[1]], d, None, o) for d, o in zip(dense, outs)],
-            }, rounds=10))
+            }
+            if not any(int8):
+                del fs["gguf_int8_x"]
+            emit(bench="decode linears on GGUF blocks, ms", weights=name, rows=rows, **best_ms(fs, rounds=10))
         del ws, dense
 
 

@@ -104,7 +104,7 @@ def test_the_engine_decodes_batches_on_it_with_the_same_logprobs(gguf_llm):
     lins = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert all(lin.amx_q4 is not None for lin in lins) and model.fast_lm_head.amx_q4 is None  # the head is Q8_0
-    assert model.linear_kernels.endswith("+amx_q4+gguf")  # what the benchmarks' JSON lines report
+    assert "+amx_q4+gguf" in model.linear_kernels  # what the benchmarks' JSON lines report
     if model.decoder is None:
         pytest.skip("no C++ decoder here")
     assert GEMV_MAX_ROWS < 12 <= AMX_Q4_MAX_ROWS

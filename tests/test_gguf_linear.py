@@ -107,7 +107,8 @@ def test_kernel_is_the_fp32_weights_product(kind, rows, n, k):
 @needs_kernel
 def test_a_linear_of_mixed_parts_writes_each_into_its_columns():
     # CPULinear with a fused weight of three parts in two layouts and a bias: at up to 4 rows, one kernel call a
-    # part into its columns (bias sliced alike) is the product with the whole fp32 weight
+    # part into its columns (bias sliced alike) is the product with the whole fp32 weight (x as it is: the 4-bit
+    # part's int8 kernel is test_gguf_int8_linear's)
     from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
 
     parts = [GGUFWeight.from_blocks(kind, random_blocks(kind, n, 512, seed=n)) for kind, n in
@@ -115,7 +116,7 @@ def test_a_linear_of_mixed_parts_writes_each_into_its_columns():
     fused = GGUFWeight.cat(parts)
     w = fused.dequantize()
     bias = torch.randn(88).bfloat16()
-    lin = CPULinear(w.bfloat16(), bias, cpu_kernels(ops, torch.bfloat16))
+    lin = CPULinear(w.bfloat16(), bias, cpu_kernels(ops, torch.bfloat16, int8_activations=False))
     assert lin.set_gguf(fused) and len(fused.pieces) == 2
     for rows in (1, 3):
         x = torch.randn(rows, 512).bfloat16()
@@ -159,7 +160,7 @@ def test_the_default_model_takes_its_blocks(gguf_llm):
     # every layer linear holds its (fused, q/k un-permuted) Q4_1 blocks and the LM head the tied embeddings' Q8_0
     # ones: dequantized and rounded to bf16 they are the model's weight exactly, which fails for a row out of place
     model = gguf_llm.llm_engine.model
-    assert model.linear_kernels.endswith("+gguf")
+    assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")
     assert model.fast_lm_head.gguf.kind == "q8_0"
     assert torch.equal(model.fast_lm_head.gguf.dequantize().bfloat16(), model.fast_lm_head.weight)
     for layer in model.layers:
@@ -242,7 +243,8 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
     path = write_gguf(tmp_path / "k.gguf", "llama", cfg, sd, tokenizer=False, raw=raw)
     llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
     model = llm.llm_engine.model
-    assert model.linear_kernels.endswith("+gguf") and model.fast_lm_head.gguf.kind == "q8_2"
+    assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")
+    assert model.fast_lm_head.gguf.kind == "q8_2"
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
         assert [p.kind for p in a.qkv_proj.gguf.parts] == ["q4_1", "q8_2"]

@@ -262,9 +262,9 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
         int8 = torch.empty(rows, 96, dtype=torch.bfloat16)
         ops.q4_vnni_linear(x, *lin.vnni_q4, None, int8, False)  # the channels chosen on the first call
         want = int8
-        if rows <= GEMV_MAX_ROWS:
+        if rows <= GEMV_MAX_ROWS:  # the few-row kernel on the blocks, x in int8 (test_gguf_int8_linear)
             want = torch.empty(rows, 96, dtype=torch.bfloat16)
-            ops.gguf_linear(x, q.qs, q.scales, None, want)
+            ops.gguf_int8_linear(x, q.qs, q.scales, *lin.gguf_int8[0], None, want)
             assert not torch.equal(int8, want)  # the two paths differ, so the check below tells them apart
         assert torch.equal(lin(x), want), rows
         act = lin.silu_and_mul(x)

@@ -183,21 +183,33 @@ class LLMEngine:
             self.kv_manager.pool.free(blocks)
 
     def choose_int8_outliers(self) -> None:
-        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights on CPUs with AVX512-VNNI but no AMX) keep a
-        few input channels per weight out of x's int8 values, chosen on the weight's first call. Make that call a
-        fixed prompt's, now: every engine of a model then takes the same channels, whatever its first requests (a
-        prompt prefilled in chunks or whole, alone or in a batch, gets the same numbers)."""
-        from pagellm.model_executor.layers.linear import CPULinear
+        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights, past GEMV_MAX_ROWS rows on CPUs with
+        AVX512-VNNI but no AMX, up to it on CPUs with AVX512-VNNI or AVX2) keep a few input channels per weight out
+        of x's int8 values, chosen on each kernel's first call. Make those calls a fixed prompt's, now: every engine
+        of a model then takes the same channels, whatever its first requests (a prompt prefilled in chunks or
+        whole, alone or in a batch, gets the same numbers)."""
+        from pagellm.model_executor.layers.linear import GEMV_MAX_ROWS, CPULinear
 
-        if not any(isinstance(m, CPULinear) and m.vnni_q4 is not None for m in self.model.modules()):
-            return
+        lins = [m for m in self.model.modules() if isinstance(m, CPULinear)]
+        many = any(m.vnni_q4 is not None for m in lins)
+        few = any(f is not None for m in lins for f in m.gguf_int8)
         n = min(64, self.config.max_model_len, self.kv_manager.pool.num_free_blocks * self.config.block_size)
-        if n < 2:
+        if not (many or few) or n < 2:
             return
         tokens = [(i * 7919 + 11) % 32000 % self.vocab_size for i in range(n)]  # ids spread over the vocabulary
         if self.tokenizer is not None:
             tokens = (self.tokenizer.encode(_CALIBRATION_TEXT) + tokens)[:n]
-        self.forward_prompt(tokens, 1)  # logits for every row, so the last layer's linears run on all of them
+        # both prompts in the same borrowed blocks: the pool's free queue hands out unused blocks first, so another
+        # block would map more of a cache left unmapped (kv_cache_prefault)
+        blocks = self.kv_manager.pool.allocate(-(-n // self.config.block_size))
+        try:
+            ids = [b.block_id for b in blocks]
+            if many:  # logits for every row, so the last layer's linears run on all of them
+                self.runner.forward_prompt(tokens, ids, 1)
+            if few:  # every linear at most GEMV_MAX_ROWS rows: the few-row kernel's
+                self.runner.forward_prompt(tokens[:min(GEMV_MAX_ROWS, n)], ids, 1)
+        finally:
+            self.kv_manager.pool.free(blocks)
 
     def abort_request(self, request_id: str) -> bool:
         parent = self.parents.pop(request_id, None)

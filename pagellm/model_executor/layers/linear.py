@@ -72,6 +72,11 @@ weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels 
 product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_Q4_MAX_K keep the bf16 paths,
 as do weights whose int8 form would add, in some column, over VNNI_Q4_MAX_EXCESS of the 4-bit rounding's own
 squared error (one outlying value makes its column's int8 steps coarse).
+Up to GEMV_MAX_ROWS rows, on CPUs with AVX512-VNNI or AVX2, a 4-bit weight's pieces take the kernel on their
+nibbles with x rounded to int8 per 16 values (``csrc/gguf_int8_linear_cpu.cpp``, ``gguf_int8_form``; the same
+knob), but for GGUF_INT8_OUTLIER_CHANNELS channels taken exactly: turning the blocks into fp32 in registers made
+the exact kernel compute-bound at one row (SmolLM2's 120 layer linears, Zen 4, two threads: 3.2-3.9 against
+5.1-5.7 ms; built for AVX2 there, 3.6-4.6 against 6.6-7.2 ms; docs/performance-log.md).
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
+GGUF_INT8_OUTLIER_CHANNELS = 8  # and the few-row int8 kernel (gguf_int8_form)
 VNNI_Q4_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
 # a weight whose int8 form adds, in some output column, over half the 4-bit rounding's own squared error keeps the
 # bf16 paths (GGUFWeight.pack_vnni_q4's excess; the default model's worst column: 0.36, its weights 0.009-0.016)
@@ -122,6 +128,9 @@ class CPUKernels:
     amx_q4: Callable | None = None  # torch.ops.pagellm.amx_q4_linear (with amx and gguf): 4-bit weights' nibbles
     # torch.ops.pagellm.q4_vnni_linear (with fma, gguf and AVX512-VNNI): 4-bit weights on int8 dot products
     vnni_q4: Callable | None = None
+    # torch.ops.pagellm.gguf_int8_linear (with gguf, AVX512-VNNI or AVX2): 4-bit weights up to GEMV_MAX_ROWS rows
+    # with x rounded to int8 per 32-deep block
+    gguf_int8: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -169,6 +178,13 @@ def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS,
     return q8, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(p, q8.shape[0] * 16)
 
 
+def gguf_int8_form(q: GGUFWeight, outliers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf_int8_linear's outlier channels for a q4_1 weight (int32 [P], -1 until the kernel's first call chooses
+    them; P: outliers, else GGUF_INT8_OUTLIER_CHANNELS) and room for the weight's values there (fp32 [N, P])."""
+    p = min(GGUF_INT8_OUTLIER_CHANNELS if outliers is None else outliers, q.shape[1])
+    return torch.full((p,), -1, dtype=torch.int32), torch.zeros(q.shape[0], p)
+
+
 def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     """The FMA kernel's fp16 weight: ``pack_amx`` of weight x 2^-e in fp16, the power of two putting the largest
     |value| in [0.5, 1) (exact for bf16 values from 2^-14 of the largest up, so no overflow and little underflow),
@@ -196,6 +212,9 @@ class CPULinear(nn.Module):
         # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
         self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # per piece of gguf: a 4-bit piece's outlier channels and its values there for the int8 kernel up to
+        # GEMV_MAX_ROWS rows (int32 [P], -1 until its first call chooses them; fp32 [N, P]), None for the others
+        self.gguf_int8: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -246,6 +265,8 @@ class CPULinear(nn.Module):
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
         self.gguf = q
+        if self.kernels.gguf_int8 is not None:
+            self.gguf_int8 = [gguf_int8_form(piece) if piece.kind == "q4_1" else None for piece, _ in q.pieces]
         if isinstance(q, GGUFWeight) and q.kind == "q4_1":
             if self.amx is not None and self.kernels.amx_q4 is not None:
                 self.amx_q4 = q.pack_amx_q4()
@@ -268,10 +289,13 @@ class CPULinear(nn.Module):
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
             if self.gguf is not None and rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
-                for q, col in self.gguf.pieces:  # one piece, or the parts of a fused weight of mixed layouts
+                for i, (q, col) in enumerate(self.gguf.pieces):  # one, or the parts of a fused weight of mixed layouts
                     n = q.shape[0]
                     bias = None if self.bias is None else self.bias[col:col + n]
-                    self.kernels.gguf(x, q.qs, q.scales, bias, out[:, col:col + n])
+                    if self.gguf_int8 and self.gguf_int8[i] is not None:
+                        self.kernels.gguf_int8(x, q.qs, q.scales, *self.gguf_int8[i], bias, out[:, col:col + n])
+                    else:
+                        self.kernels.gguf(x, q.qs, q.scales, bias, out[:, col:col + n])
                 return out
             if self._takes_amx_q4(x):
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -379,11 +403,13 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
-    amx_q4 = vnni_q4 = None
+    amx_q4 = vnni_q4 = gguf_int8 = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
             gguf = ops.gguf_linear.default if ops.gguf_linear_supported() else None
+            if gguf and int8_activations and ops.gguf_int8_linear_supported():
+                gguf_int8 = ops.gguf_int8_linear.default
             if ops.amx_linear_supported():
                 amx, amx_silu_mul = ops.amx_linear.default, ops.amx_linear_silu_mul.default
                 amx_argmax = ops.amx_linear_argmax.default
@@ -404,7 +430,7 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack, screen_amx, amx_q4, vnni_q4)
+                         screen, screen_pack, screen_amx, amx_q4, vnni_q4, gguf_int8)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

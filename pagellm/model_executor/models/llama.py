@@ -248,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
             lins = [m for m in self.layers.modules() if isinstance(m, CPULinear)]
             nibbles = "+amx_q4" if any(m.amx_q4 is not None for m in lins) else ""
             int8 = "+vnni_q4" if any(m.vnni_q4 is not None for m in lins) else ""
-            self.linear_kernels += nibbles + int8 + "+gguf"
+            gguf = "+gguf_int8" if any(f is not None for m in lins for f in m.gguf_int8) else "+gguf"
+            self.linear_kernels += nibbles + int8 + gguf
         self.decoder = self._build_decoder(kernels)
 
     def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:
@@ -291,6 +292,9 @@ class LlamaForCausalLM(nn.Module):
                 for q in qs[1:]:
                     decoder.add_gguf_part(which, q.qs, q.scales)
             for which, lin in enumerate(lins):
+                for part, form in enumerate(lin.gguf_int8):
+                    if form is not None:
+                        decoder.set_gguf_int8(which, part, *form)
                 if lin.amx_q4 is not None:
                     decoder.set_amx_q4(which, *lin.amx_q4)
                 if lin.vnni_q4 is not None:

@@ -19,7 +19,8 @@
 // layers/linear.py), oneDNN (at::mm) above: AMX's, else the FMA one above gemv_max_rows rows and the streaming
 // kernel on the plain weight up to it, except with the FMA kernel's dot products, which take every row count (the
 // routing of layers/linear.py's CPULinear, so the two loops agree); a linear
-// with a GGUF file's blocks takes them up to gemv_max_rows rows, with AMX too (gguf_linear_cpu.cpp).
+// with a GGUF file's blocks takes them up to gemv_max_rows rows, with AMX too (gguf_linear_cpu.cpp; a 4-bit one
+// with x in int8, gguf_int8_linear_cpu.cpp).
 // Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
 // for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -44,6 +45,8 @@ struct Linear {
   // a GGUF's quants (layers/quantized.py: GGUFWeight), none if empty; several parts for a fused weight of mixed
   // layouts (GGUFParts), each into the next columns of the output
   std::vector<at::Tensor> gguf_qs, gguf_scales;
+  // per part: a 4-bit part's outlier channels and values for gguf_int8_linear, undefined for gguf_linear
+  std::vector<at::Tensor> gguf_channels, gguf_wc;
   at::Tensor q4, q4_scales;  // a 4-bit GGUF weight's nibbles for AMX (amx_q4_panels.h), undefined if none
   // its quants for the int8 dot products and their outlier channels (q4_vnni_linear_cpu.cpp), undefined if none
   at::Tensor q8, q8_scales, q8_channels, q8_wc;
@@ -100,6 +103,17 @@ class LlamaDecoder : public torch::CustomClassHolder {
     Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
     TORCH_CHECK(!l.gguf_qs.empty(), "add_gguf_part: the linear has no first part");
     l.gguf_qs.push_back(qs), l.gguf_scales.push_back(scales);
+  }
+
+  // Part `part` of linear `which` (0-3) of the last layer added takes gguf_int8_linear with these outlier channels
+  // and values (layers/linear.py: CPULinear.gguf_int8; the same tensors, so both loops share the first call's choice).
+  void set_gguf_int8(int64_t which, int64_t part, at::Tensor channels, at::Tensor wc) {
+    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_gguf_int8: a linear (0-3) of an added layer");
+    Layer& L = layers_.back();
+    Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
+    TORCH_CHECK(part >= 0 && part < static_cast<int64_t>(l.gguf_qs.size()), "set_gguf_int8: no such GGUF part");
+    l.gguf_channels.resize(l.gguf_qs.size()), l.gguf_wc.resize(l.gguf_qs.size());
+    l.gguf_channels[part] = channels, l.gguf_wc[part] = wc;
   }
 
   // Linear `which` (0-3) of the last layer added takes amx_q4_linear on these nibbles and scales past
@@ -246,13 +260,19 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
-      PAGELLM_RANGE("pagellm::gguf_linear");
       int64_t col = 0;
       for (size_t p = 0; p < l.gguf_qs.size(); ++p) {
         const int64_t n = l.gguf_qs[p].size(0);
         c10::optional<at::Tensor> bias;
         if (l.bias) bias = l.bias->narrow(0, col, n);
-        gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p], bias, out.narrow(1, col, n));
+        if (p < l.gguf_channels.size() && l.gguf_channels[p].defined()) {
+          PAGELLM_RANGE("pagellm::gguf_int8_linear");
+          gguf_int8_linear(x, l.gguf_qs[p], l.gguf_scales[p], l.gguf_channels[p], l.gguf_wc[p], bias,
+                           out.narrow(1, col, n));
+        } else {
+          PAGELLM_RANGE("pagellm::gguf_linear");
+          gguf_linear(x, l.gguf_qs[p], l.gguf_scales[p], bias, out.narrow(1, col, n));
+        }
         col += n;
       }
     } else if (takes_q4(l, x.size(0))) {
@@ -336,6 +356,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
                        int64_t>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
+      .def("set_gguf_int8", &LlamaDecoder::set_gguf_int8)
       .def("set_amx_q4", &LlamaDecoder::set_amx_q4)
       .def("set_vnni_q4", &LlamaDecoder::set_vnni_q4)
       .def("bind_cache", &LlamaDecoder::bind_cache)

@@ -27,6 +27,9 @@ void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor&
 bool gguf_linear_supported();
 void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& bias, at::Tensor out);
+bool gguf_int8_linear_supported();
+void gguf_int8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, at::Tensor channels,
+                      at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out);
 bool fma_linear_supported();
 bool fma_linear_fp16_supported();
 bool fma_linear_dot_supported();

@@ -28,7 +28,7 @@
 // would leave a block's other values a few int8 steps (q4_vnni_linear_cpu.cpp measured what that costs; here,
 // without them: 99.17% and 38 of 48). So, as there, each weight keeps P channels
 // (layers/linear.py: GGUF_INT8_OUTLIER_CHANNELS) out of the int8 values: chosen on its first call, as the channels
-// of largest |x| over that call's rows (NaN counting as infinite, ties to the lower index), ascending, into the
+// of largest |x| over that call's rows (outlier_channels.h: as q4_vnni_linear's), ascending, into the
 // caller's tensors with the weight's exact values there (wc [N][P]); every later call takes the same ones, and the
 // engine makes the first call a fixed prompt's (LLMEngine.choose_int8_outliers).
 //
@@ -42,12 +42,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "ops.h"
+#include "outlier_channels.h"
 #include "split_work.h"
 #include "vec.h"
 #include "vec8.h"
@@ -283,24 +283,12 @@ void columns(const Operands& o, int64_t g0, int64_t g1) {
   }
 }
 
-// The outlier channels, once per weight: the P channels of largest |x| over the call's rows (NaN as infinite),
-// ascending, and the weight's exact values there (d q + m, as the loader's fp32 arithmetic) into wc [N][P].
-void choose_outliers(const bf16* x, int64_t ldx, int64_t M, int64_t K, int64_t N, int64_t P, const uint8_t* qs,
-                     const float* scales, int32_t* chan, float* wc) {
-  std::vector<float> top(K, 0.f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = to_float(x[r * ldx + k]);
-      top[k] = std::max(top[k], std::isnan(v) ? std::numeric_limits<float>::infinity() : std::fabs(v));
-    }
-  std::vector<int32_t> order(K);
-  for (int64_t k = 0; k < K; ++k) order[k] = static_cast<int32_t>(k);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return top[a] > top[b]; });
-  std::sort(order.begin(), order.begin() + P);
+// The weight's exact values (d q + m, as the loader's fp32 arithmetic) at the P outlier channels chan into wc [N][P].
+void outlier_values(int64_t K, int64_t N, int64_t P, const uint8_t* qs, const float* scales, const int32_t* chan,
+                    float* wc) {
   const int64_t KB = K / 32;
   for (int64_t p = 0; p < P; ++p) {
-    const int64_t c = order[p], b = c / 32, j = c % 32;
-    chan[p] = static_cast<int32_t>(c);
+    const int64_t c = chan[p], b = c / 32, j = c % 32;
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t byte = qs[(n * KB + b) * 16 + j % 16];
       const float q = static_cast<float>(j < 16 ? byte & 0x0F : byte >> 4);
@@ -349,9 +337,10 @@ void gguf_int8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
 #if defined(PAGELLM_GGUF_INT8)
   const bf16* xp = x.data_ptr<bf16>();
   int32_t* chan = channels.data_ptr<int32_t>();
-  if (P > 0 && chan[0] < 0)
-    choose_outliers(xp, x.stride(0), M, K, N, P, qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), chan,
-                    wc.data_ptr<float>());
+  if (P > 0 && chan[0] < 0) {  // the first call chooses them (outlier_channels.h)
+    choose_outlier_channels(xp, x.stride(0), M, K, P, chan);
+    outlier_values(K, N, P, qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), chan, wc.data_ptr<float>());
+  }
   for (int64_t p = 0; p < P; ++p)
     TORCH_CHECK(chan[p] >= 0 && chan[p] < K && (p == 0 || chan[p] > chan[p - 1]), "channels: ascending, in [0, K)");
   const int64_t groups = (K / 32 + G - 1) / G;

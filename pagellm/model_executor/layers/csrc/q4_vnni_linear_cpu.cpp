@@ -49,6 +49,7 @@
 #include <limits>
 #include <vector>
 
+#include "outlier_channels.h"
 #include "split_work.h"
 #include "tile_linear.h"
 #include "vec.h"
@@ -107,25 +108,13 @@ struct NextPanels {
   }
 };
 
-// The outlier channels, once per weight (chan[0] < 0: not chosen yet): the P channels of largest |x| over the
-// call's rows (NaN counting as infinite), ascending, and wc, the weight's values there (s w8, exact in fp32).
+// The outlier channels, once per weight (chan[0] < 0: not chosen yet; outlier_channels.h), and wc, the weight's
+// values there (s w8, exact in fp32).
 void choose_outliers(const Gemm& g, int32_t* chan, float* wc) {
-  std::vector<float> top(g.K, 0.f);
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  for (int64_t r = 0; r < g.M; ++r)
-    for (int64_t k = 0; k < g.K; k += 16) {  // K is a multiple of 32
-      const __m512 v = load16(g.x + r * g.ldx + k);
-      const __m512 a = _mm512_mask_mov_ps(_mm512_abs_ps(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), inf);
-      _mm512_storeu_ps(top.data() + k, _mm512_max_ps(_mm512_loadu_ps(top.data() + k), a));
-    }
-  std::vector<int32_t> order(g.K);
-  for (int64_t k = 0; k < g.K; ++k) order[k] = static_cast<int32_t>(k);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return top[a] > top[b]; });
-  std::sort(order.begin(), order.begin() + g.P);
+  choose_outlier_channels(g.x, g.ldx, g.M, g.K, g.P, chan);
   const int64_t KB = g.K / 32, tiles = g.ldwc / 16;
   for (int64_t p = 0; p < g.P; ++p) {
-    const int64_t c = order[p], b = c / 32, j = c % 32 / 4, e = c % 4;
-    chan[p] = static_cast<int32_t>(c);
+    const int64_t c = chan[p], b = c / 32, j = c % 32 / 4, e = c % 4;
     for (int64_t t = 0; t < tiles; ++t)
       for (int64_t n = 0; n < 16; ++n)
         wc[p * g.ldwc + t * 16 + n] = g.scales[t * 32 + n] * g.w8[((t * KB + b) * 8 + j) * 64 + 4 * n + e];

@@ -75,8 +75,8 @@ squared error (one outlying value makes its column's int8 steps coarse).
 Up to GEMV_MAX_ROWS rows, on CPUs with AVX512-VNNI or AVX2, a 4-bit weight's pieces take the kernel on their
 nibbles with x rounded to int8 per 16 values (``csrc/gguf_int8_linear_cpu.cpp``, ``gguf_int8_form``; the same
 knob), but for GGUF_INT8_OUTLIER_CHANNELS channels taken exactly: turning the blocks into fp32 in registers made
-the exact kernel compute-bound at one row (SmolLM2's 120 layer linears, Zen 4, two threads: 3.2-3.9 against
-5.1-5.7 ms; built for AVX2 there, 3.6-4.6 against 6.6-7.2 ms; docs/performance-log.md).
+the exact kernel compute-bound at one row (SmolLM2's 120 layer linears, Zen 4, two threads: 3.0-3.9 against
+5.1-5.7 ms; built for AVX2 there, 3.6-5.3 against 6.6-7.7 ms; docs/performance-log.md).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ class CPUKernels:
     # torch.ops.pagellm.q4_vnni_linear (with fma, gguf and AVX512-VNNI): 4-bit weights on int8 dot products
     vnni_q4: Callable | None = None
     # torch.ops.pagellm.gguf_int8_linear (with gguf, AVX512-VNNI or AVX2): 4-bit weights up to GEMV_MAX_ROWS rows
-    # with x rounded to int8 per 32-deep block
+    # with x rounded to int8 per 16 values
     gguf_int8: Callable | None = None
 
     @property

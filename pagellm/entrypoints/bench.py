@@ -22,9 +22,6 @@ class PeakRSS:
     def __init__(self) -> None:
         self.proc = psutil.Process(os.getpid())
 
-    def start(self) -> PeakRSS:
-        return self
-
     def stop(self) -> float:
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # VmHWM: KiB on Linux
         children = 0
@@ -86,7 +83,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     from pagellm import LLM, SamplingParams
     from pagellm.entrypoints.cli import engine_kwargs
 
-    rss = PeakRSS().start()
+    rss = PeakRSS()
     meta, prompts = load_workload(a.workload)
     if a.num_prompts:
         prompts = prompts[:a.num_prompts]
@@ -189,7 +186,7 @@ def cmd_latency(a: argparse.Namespace) -> None:
     from pagellm import LLM, SamplingParams
     from pagellm.entrypoints.cli import engine_kwargs
 
-    rss = PeakRSS().start()
+    rss = PeakRSS()
     llm = LLM(**engine_kwargs(a))
     engine = llm.llm_engine
     rng = random.Random(a.seed)

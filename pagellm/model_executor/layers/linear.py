@@ -75,8 +75,8 @@ squared error (one outlying value makes its column's int8 steps coarse).
 Up to GEMV_MAX_ROWS rows, on CPUs with AVX512-VNNI or AVX2, a 4-bit weight's pieces take the kernel on their
 nibbles with x rounded to int8 per 16 values (``csrc/gguf_int8_linear_cpu.cpp``, ``gguf_int8_form``; the same
 knob), but for GGUF_INT8_OUTLIER_CHANNELS channels taken exactly: turning the blocks into fp32 in registers made
-the exact kernel compute-bound at one row (SmolLM2's 120 layer linears, Zen 4, two threads: 3.0-3.9 against
-5.1-5.7 ms; built for AVX2 there, 3.6-5.3 against 6.6-7.7 ms; docs/performance-log.md).
+the exact kernel compute-bound at one row (``python bench/kernels.py``'s GGUF lines, Zen 4, 2026-12-06: SmolLM2's
+120 layer linears and LM head 4.49 against 6.07 ms at 1 row, 8.71 against 11.3 at 4; docs/performance-log.md).
 """
 from __future__ import annotations
 

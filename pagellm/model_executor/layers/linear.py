@@ -96,6 +96,14 @@ logger = logging.getLogger("pagellm")
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
+# a 4-bit weight's int8 form (vnni_q4) takes this many rows and more: from 4 rows it beats the few-row kernel on the
+# blocks, which is bound by its per-row float work there (Zen 4, SmolLM2's 120 layer linears on two threads: 5.2-5.4
+# against 6.2-6.5 ms at 4 rows, even at 3, 5.1 against 3.4-3.7 at 1; docs/performance-log.md)
+VNNI_Q4_MIN_ROWS = 4
+# a greedy LM head with GGUF blocks takes the int8 screen (argmax) from this many rows without AMX: its int8 copy
+# streams as many bytes as a Q8_0 head's blocks, and the few-row kernel's cost grows with the rows (Zen 4, SmolLM2's
+# head with the L3 flushed: 0.95-1.0 against 0.9 ms at 1 row, 1.0 against 1.2 / 1.8 / 2.3 ms at 2 / 3 / 4)
+SCREEN_MIN_ROWS = 2
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
 GGUF_INT8_OUTLIER_CHANNELS = 8  # and the few-row int8 kernel (gguf_int8_form)
@@ -209,7 +217,7 @@ class CPULinear(nn.Module):
         self.gguf: GGUFWeight | GGUFParts | None = None
         # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
         self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
-        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
+        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel from VNNI_Q4_MIN_ROWS rows,
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
         self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per piece of gguf: a 4-bit piece's outlier channels and its values there for the int8 kernel up to
@@ -282,12 +290,16 @@ class CPULinear(nn.Module):
                 and x.dtype == torch.bfloat16)
 
     def _takes_vnni_q4(self, x: torch.Tensor) -> bool:
-        return self.vnni_q4 is not None and GEMV_MAX_ROWS < x.shape[0] and x.dtype == torch.bfloat16
+        return self.vnni_q4 is not None and VNNI_Q4_MIN_ROWS <= x.shape[0] and x.dtype == torch.bfloat16
+
+    def _takes_gguf(self, x: torch.Tensor) -> bool:
+        return (self.gguf is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
+                and not self._takes_vnni_q4(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
-            if self.gguf is not None and rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
+            if self._takes_gguf(x):
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 for i, (q, col) in enumerate(self.gguf.pieces):  # one, or the parts of a fused weight of mixed layouts
                     n = q.shape[0]
@@ -322,11 +334,14 @@ class CPULinear(nn.Module):
         output), without writing the [rows, N] outputs: from the int8 screen where enabled (enable_argmax_screen),
         else from the AMX kernel; None where neither applies (forward's path would not be theirs, a bias, or, off
         AMX, rows the screen leaves to the full path). For a greedy LM head: at 64 rows the logits are 6.3 MB
-        (SmolLM2) written and read back each step."""
+        (SmolLM2) written and read back each step. A weight with GGUF blocks takes forward's few-row kernel up to
+        GEMV_MAX_ROWS rows, but off AMX the screen from SCREEN_MIN_ROWS: then the index is that of the tile
+        kernel's output on the loaded weight, as past GEMV_MAX_ROWS."""
         rows = x.shape[0]
         if (self.bias is not None or x.dim() != 2 or x.stride(-1) != 1 or x.dtype != torch.bfloat16
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS
-                or (self.gguf is not None and rows <= GEMV_MAX_ROWS)):
+                or (self.gguf is not None and rows <= GEMV_MAX_ROWS
+                    and not (self.screen is not None and self.amx is None and rows >= SCREEN_MIN_ROWS))):
             return None
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
         if self.screen is not None:
@@ -364,7 +379,7 @@ class CPULinear(nn.Module):
         steps); None where that does not apply (no tile kernel, rows it does not take, x not row-major, an
         intermediate size that is not a multiple of 16)."""
         rows, inter = x.shape[0], self.weight.shape[0] // 2
-        if self.gguf is not None and rows <= GEMV_MAX_ROWS:
+        if self._takes_gguf(x):
             return None  # forward's GGUF kernel, then silu_and_mul
         if self._takes_vnni_q4(x) and x.dim() == 2 and x.stride(-1) == 1 and inter % 16 == 0:
             out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)

@@ -11,7 +11,8 @@ element-wise ops against torch; the gate/up layer with silu(gate) * up in its ep
 Attention: 64 decode rows over 362-token contexts
 in shuffled blocks, and 4 chunks after a 500-token context (where the C++ kernel hands over to SDPA); the paged
 kernel over bf16 and fp8 caches, and with fp32 against fp16 partial sums. Argmax: greedy sampling over [64, 49152] logits,
-and a greedy LM head by its logits or by the int8 screen (AVX512-VNNI CPUs without AMX).
+and a greedy LM head by its logits or by the int8 screen (AVX512-VNNI CPUs without AMX), at 64 rows and at 1-4 rows
+against a Q8_0 head's few-row kernel.
 Each figure is the median of a few repetitions; the machine is noisy, compare the columns of one line.
 """
 from __future__ import annotations
@@ -202,7 +203,7 @@ def gguf_blocks(ops) -> None:
             fs = {
                 "gguf_blocks": lambda: [ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o)
                                         for w, o in zip(ws, outs)],
-                "gguf_int8_x": lambda: [ops.gguf_int8_linear(xs[w.shape[1]], w.qs, w.scales, *f, None, o) if f
+                "gguf_int8_x": lambda: [ops.gguf_int8_linear(xs[w.shape[1]], *f, None, o) if f
                                         else ops.gguf_linear(xs[w.shape[1]], w.qs, w.scales, None, o)
                                         for w, f, o in zip(ws, int8, outs)],
                 "bf16_streaming": lambda: [ops.small_m_linear(xs[d.shape[1]], d, None, o) for d, o in zip(dense, outs)],
@@ -287,6 +288,33 @@ def lm_head_screen(ops) -> None:
         "int8_screen": lambda: head.argmax(x)}, rounds=10))
 
 
+def few_row_lm_head(ops) -> None:
+    """A greedy LM head at 1-4 rows on a Q8_0 GGUF head (SmolLM2's: its tied embeddings), what decode with a few
+    requests runs: the few-row kernel on the blocks then argmax_rows, against the int8 screen (CPULinear.argmax,
+    from SCREEN_MIN_ROWS rows off AMX). Each call first streams 64 MB through the caches, as a decode step's layer
+    weights do (so the head's 28-30 MB are not in the L3); "flush" is that alone."""
+    kernels = cpu_kernels(ops, torch.bfloat16)
+    if kernels is None or kernels.screen_argmax is None or not ops.gguf_linear_supported():
+        return
+    q = GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 49152, 576, seed=1))
+    w = q.dequantize().bfloat16()
+    head = CPULinear(w, None, kernels)
+    head.enable_argmax_screen()
+    big = torch.ones(64 << 20, dtype=torch.uint8)
+    for rows in (1, 2, 3, 4):
+        target = torch.randint(0, 49152, (rows,))
+        x = torch.randn(rows, 576) + 5 * w[target].float() / w[target].float().pow(2).mean(dim=1, keepdim=True).sqrt()
+        x[:, [17, 199, 371, 481]] *= torch.tensor([40.0, -25.0, 15.0, 10.0])
+        x = x.bfloat16()
+        logits, out = torch.empty(rows, 49152, dtype=torch.bfloat16), torch.empty(rows, dtype=torch.int64)
+        assert torch.equal(head.argmax(x), head(x).float().argmax(-1))
+        emit(bench="greedy Q8_0 LM head at few rows, 64 MB streamed first, ms", rows=rows, **best_ms({
+            "flush": lambda: big.add_(1),
+            "gguf_blocks_then_argmax": lambda: (big.add_(1), ops.gguf_linear(x, q.qs, q.scales, None, logits),
+                                                ops.argmax_rows(logits, out)),
+            "int8_screen": lambda: (big.add_(1), head.argmax(x))}, rounds=10))
+
+
 if __name__ == "__main__":
     ops = load_extension()
     torch.manual_seed(0)
@@ -300,3 +328,4 @@ if __name__ == "__main__":
     kv_cache_dtypes()
     argmax(ops)
     lm_head_screen(ops)
+    few_row_lm_head(ops)

@@ -226,3 +226,33 @@ def test_it_keeps_few_columns(threads, mode):
         torch.set_num_threads(before)
     assert torch.equal(got, full_path(x.contiguous(), w, mode)) and torch.equal(got, target)
     assert 40 <= kept <= 40 * 20
+
+
+@needs_screen
+@pytest.mark.parametrize("amx", [False] + ([True] if ops is not None and ops.amx_linear_supported() else []))
+def test_a_gguf_head_takes_it_from_screen_min_rows(amx):
+    # A head holding a GGUF file's Q8_0 blocks: forward takes the few-row kernel on them up to GEMV_MAX_ROWS rows,
+    # and argmax leaves those rows to it (None), but off AMX only below SCREEN_MIN_ROWS: from there the screen
+    # answers, with the tile kernel's index on the loaded weight. AMX keeps the few-row kernel up to GEMV_MAX_ROWS.
+    from test_gguf_linear import random_blocks
+
+    from pagellm.model_executor.layers.linear import GEMV_MAX_ROWS, SCREEN_MIN_ROWS
+    from pagellm.model_executor.layers.quantized import GGUFWeight
+
+    class NoAmx:  # torch.ops.pagellm as a CPU without AMX sees it
+        def __getattr__(self, name):
+            return (lambda: False) if name == "amx_linear_supported" else getattr(ops, name)
+
+    assert 1 < SCREEN_MIN_ROWS <= GEMV_MAX_ROWS
+    kernels = cpu_kernels(ops if amx else NoAmx(), torch.bfloat16)
+    q = GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 512, 576, seed=3))
+    w = q.dequantize().bfloat16()
+    head = CPULinear(w, None, kernels)
+    assert head.enable_argmax_screen() and head.set_gguf(q)
+    for rows in range(1, GEMV_MAX_ROWS + 2):
+        x = outlier_rows(rows, 576, seed=rows)
+        got = head.argmax(x)
+        if rows <= GEMV_MAX_ROWS and (amx or rows < SCREEN_MIN_ROWS):
+            assert got is None, rows
+        else:
+            assert got is not None and torch.equal(got, full_path(x, w, "amx" if amx else DOTS[-1])), rows

@@ -1,6 +1,7 @@
 """The few-row kernel on 4-bit GGUF blocks with x in int8 (csrc/gguf_int8_linear_cpu.cpp; layers/linear.py:
 CPULinear.gguf_int8; EngineConfig.gguf_int8_activations): x rounded to int8 per 16 values at each call, the
-weight's nibbles as they are, a few outlier channels of x taken exactly. Held against the same math in fp64."""
+weight's nibbles as they are (their blocks' bytes regrouped at load, 16 output columns side by side: gguf_int8_form),
+a few outlier channels of x taken exactly. Held against the same math in fp64."""
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,7 @@ def reference(x: torch.Tensor, q: GGUFWeight, chan: torch.Tensor, bias: torch.Te
 
 def run(x, q, form, bias=None, out=None):
     out = torch.full((x.shape[0], q.shape[0]), float("nan"), dtype=torch.bfloat16) if out is None else out
-    ops.gguf_int8_linear(x, q.qs, q.scales, *form, bias, out)
+    ops.gguf_int8_linear(x, *form, bias, out)
     return out
 
 
@@ -78,15 +79,15 @@ def test_kernel_is_its_int8_math(rows, n, k):
     x = x.bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     form = gguf_int8_form(q)
-    assert form[0].shape == (min(8, k),) and (form[0] < 0).all()
+    assert form[2].shape == (min(8, k),) and (form[2] < 0).all()
     out = run(x, q, form, bias)
     chan = chosen(x, min(8, k))
-    assert torch.equal(form[0], chan) and {5, k - 1} <= set(chan.tolist())
-    assert torch.equal(form[1], q.dequantize()[:, chan.long()])
+    assert torch.equal(form[2], chan) and {5, k - 1} <= set(chan.tolist())
+    assert torch.equal(form[3], q.dequantize()[:, chan.long()])
     assert_close(out, *reference(x, q, chan, bias))
     x2 = torch.randn(rows, k, generator=g).bfloat16()
     out2 = run(x2, q, form)
-    assert torch.equal(form[0], chan)
+    assert torch.equal(form[2], chan)
     assert_close(out2, *reference(x2, q, chan, None))
 
 
@@ -126,28 +127,46 @@ def test_strided_rows_and_special_values():
     run(x, q, form, bias, big[:, 5:45])
     assert torch.equal(big[1, 5:45], bias)
     assert big[2:, 5:45].isnan().all()
-    y, size = reference(x[:1], q, form[0], bias)
+    y, size = reference(x[:1], q, form[2], bias)
     assert_close(big[:1, 5:45], y, size)
     assert (big[:, :5] == 0).all() and (big[:, 45:] == 0).all()
+
+
+def test_the_form_regroups_the_blocks_bytes():
+    # each 16 output columns' blocks side by side, a block's byte 4 j + e of column c at [j][4 c + e], the steps as
+    # the 16 d and then the 16 m; columns past N (here 37 -> 48) zero
+    q = q4(37, 96, seed=5)
+    qs, sc, ch, wc = gguf_int8_form(q)
+    assert qs.shape == (3, 3, 4, 64) and qs.dtype == torch.uint8 and sc.shape == (3, 3, 2, 16)
+    assert ch.shape == (8,) and (ch < 0).all() and wc.shape == (37, 8)
+    for n in (0, 15, 16, 36):
+        g, c = divmod(n, 16)
+        for b in range(3):
+            for i in range(16):
+                assert qs[g, b, i // 4, 4 * c + i % 4] == q.qs[n, b, i]
+            assert sc[g, b, 0, c] == q.scales[n, b, 0] and sc[g, b, 1, c] == q.scales[n, b, 1]
+    assert (qs[2, :, :, 4 * 5:] == 0).all() and (sc[2, :, :, 5:] == 0).all()
 
 
 @needs_kernel
 def test_bad_operands_get_clear_errors():
     q = q4(16, 64)
     x, out = torch.randn(2, 64).bfloat16(), torch.empty(2, 16, dtype=torch.bfloat16)
-    ch, wc = gguf_int8_form(q)
+    qs, sc, ch, wc = gguf_int8_form(q)
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        ops.gguf_int8_linear(torch.randn(5, 64).bfloat16(), q.qs, q.scales, ch, wc, None, torch.empty(5, 16).bfloat16())
-    with pytest.raises(RuntimeError, match="qs: uint8"):
-        q8 = q4(16, 64, kind="q8_0")
-        ops.gguf_int8_linear(x, q8.qs.view(torch.uint8), q8.scales, ch, wc, None, out)
+        ops.gguf_int8_linear(torch.randn(5, 64).bfloat16(), qs, sc, ch, wc, None, torch.empty(5, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="qs: uint8"):  # the GGUF blocks as they are, not the regrouped form
+        ops.gguf_int8_linear(x, q.qs, sc, ch, wc, None, out)
+    with pytest.raises(RuntimeError, match="scales: float32"):
+        ops.gguf_int8_linear(x, qs, q.scales, ch, wc, None, out)
+    with pytest.raises(RuntimeError, match="qs: uint8"):  # a weight of 32 columns against an output of 16
+        ops.gguf_int8_linear(x, *gguf_int8_form(q4(32, 64))[:2], ch, wc, None, out)
     with pytest.raises(RuntimeError, match="wc: float32"):
-        ops.gguf_int8_linear(x, q.qs, q.scales, ch, wc[:8], None, out)
+        ops.gguf_int8_linear(x, qs, sc, ch, wc[:8], None, out)
     with pytest.raises(RuntimeError, match="channels: ascending"):
-        ops.gguf_int8_linear(x, q.qs, q.scales, torch.tensor([3, 3, 5, 6, 7, 8, 9, 10], dtype=torch.int32), wc,
-                             None, out)
+        ops.gguf_int8_linear(x, qs, sc, torch.tensor([3, 3, 5, 6, 7, 8, 9, 10], dtype=torch.int32), wc, None, out)
     with pytest.raises(RuntimeError, match="channels: int32"):
-        ops.gguf_int8_linear(x, q.qs, q.scales, ch.long(), wc, None, out)
+        ops.gguf_int8_linear(x, qs, sc, ch.long(), wc, None, out)
 
 
 @needs_kernel
@@ -161,7 +180,7 @@ def test_cpu_linear_takes_it_for_4_bit_pieces_only():
     lin = CPULinear(w.bfloat16(), None, cpu_kernels(ops, torch.bfloat16))
     assert lin.set_gguf(fused) and lin.gguf_int8[0] is not None and lin.gguf_int8[1] is None
     out = lin(x)
-    assert_close(out[:, :40], *reference(x, parts[0], lin.gguf_int8[0][0], None))
+    assert_close(out[:, :40], *reference(x, parts[0], lin.gguf_int8[0][2], None))
     exact = x.double() @ parts[1].dequantize().double().T
     assert ((out[:, 40:].double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6 * exact.abs().max()).all()
     off = CPULinear(w.bfloat16(), None, cpu_kernels(ops, torch.bfloat16, int8_activations=False))
@@ -183,14 +202,14 @@ def test_engines_choose_the_same_channels_at_start(gguf_path):
         return [f for m in llm.llm_engine.model.modules() if isinstance(m, CPULinear) for f in m.gguf_int8 if f]
 
     a = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="32MiB")
-    chans = [f[0].clone() for f in forms(a)]
+    chans = [f[2].clone() for f in forms(a)]
     assert len(chans) == 120 and all((c >= 0).all() and len(c) == 8 for c in chans)
     out = a.generate([{"prompt_token_ids": [4000, 17, 23]}], SamplingParams(max_tokens=6, temperature=0,
                                                                               ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6 and pool_is_whole(a)
-    assert all(torch.equal(c, f[0]) for c, f in zip(chans, forms(a)))
+    assert all(torch.equal(c, f[2]) for c, f in zip(chans, forms(a)))
     del a
     b = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="32MiB")
-    assert all(torch.equal(c, f[0]) for c, f in zip(chans, forms(b)))
+    assert all(torch.equal(c, f[2]) for c, f in zip(chans, forms(b)))
     off = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="32MiB", gguf_int8_activations=False)
     assert forms(off) == [] and off.llm_engine.model.linear_kernels.endswith("+gguf")

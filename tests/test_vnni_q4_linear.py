@@ -266,7 +266,7 @@ def test_cpu_linear_routes_from_vnni_q4_min_rows_to_it():
         want = int8
         if rows < VNNI_Q4_MIN_ROWS:  # the few-row kernel on the blocks, x in int8 (test_gguf_int8_linear)
             want = torch.empty(rows, 96, dtype=torch.bfloat16)
-            ops.gguf_int8_linear(x, q.qs, q.scales, *lin.gguf_int8[0], None, want)
+            ops.gguf_int8_linear(x, *lin.gguf_int8[0], None, want)
             assert not torch.equal(int8, want)  # the two paths differ, so the check below tells them apart
         assert torch.equal(lin(x), want), rows
         act = lin.silu_and_mul(x)

@@ -96,14 +96,16 @@ logger = logging.getLogger("pagellm")
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 GEMV_MAX_ROWS = 4
-# a 4-bit weight's int8 form (vnni_q4) takes this many rows and more: from 4 rows it beats the few-row kernel on the
-# blocks, which is bound by its per-row float work there (Zen 4, SmolLM2's 120 layer linears on two threads: 5.2-5.4
-# against 6.2-6.5 ms at 4 rows, even at 3, 5.1 against 3.4-3.7 at 1; docs/performance-log.md)
-VNNI_Q4_MIN_ROWS = 4
+# a 4-bit weight's int8 form (vnni_q4) takes this many rows and more, the few-row kernel on its nibbles (gguf_int8)
+# those below: on Zen 4, SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the few-row kernel
+# (6.2-7.4 before its bytes were regrouped, when 4 rows went to vnni_q4 for a session) against 5.2-5.4 on vnni_q4,
+# at 1 row 3.1-3.4 against 4.5-5.1 (docs/performance-log.md)
+VNNI_Q4_MIN_ROWS = GEMV_MAX_ROWS + 1
 # a greedy LM head with GGUF blocks takes the int8 screen (argmax) from this many rows without AMX: its int8 copy
 # streams as many bytes as a Q8_0 head's blocks, and the few-row kernel's cost grows with the rows (Zen 4, SmolLM2's
-# head with the L3 flushed: 0.95-1.0 against 0.9 ms at 1 row, 1.0 against 1.2 / 1.8 / 2.3 ms at 2 / 3 / 4)
-SCREEN_MIN_ROWS = 2
+# head after 64 MB streamed, `python bench/kernels.py`: 1.1-1.2 against 1.0-1.1 ms at 1 and 2 rows, 1.0-1.3 against
+# 1.3-1.8 at 3, 1.0-1.3 against 1.7-2.2 at 4)
+SCREEN_MIN_ROWS = 3
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
 INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
 GGUF_INT8_OUTLIER_CHANNELS = 8  # and the few-row int8 kernel (gguf_int8_form)
@@ -186,11 +188,22 @@ def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS,
     return q8, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(p, q8.shape[0] * 16)
 
 
-def gguf_int8_form(q: GGUFWeight, outliers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf_int8_linear's outlier channels for a q4_1 weight (int32 [P], -1 until the kernel's first call chooses
-    them; P: outliers, else GGUF_INT8_OUTLIER_CHANNELS) and room for the weight's values there (fp32 [N, P])."""
-    p = min(GGUF_INT8_OUTLIER_CHANNELS if outliers is None else outliers, q.shape[1])
-    return torch.full((p,), -1, dtype=torch.int32), torch.zeros(q.shape[0], p)
+def gguf_int8_form(q: GGUFWeight, outliers: int | None = None) -> tuple[torch.Tensor, ...]:
+    """gguf_int8_linear's operands for a q4_1 weight: its blocks' bytes and steps with 16 output columns side by
+    side (uint8 [ceil(N/16), K/32, 4, 64]: row j of a block holds at byte 4 c + e column c's block byte 4 j + e;
+    fp32 [ceil(N/16), K/32, 2, 16]: the columns' d, then their m; columns past N zero), the outlier channels (int32
+    [P], -1 until the kernel's first call chooses them; P: outliers, else GGUF_INT8_OUTLIER_CHANNELS) and room for
+    the weight's values there (fp32 [N, P])."""
+    n, k = q.shape
+    n16, kb = -(-n // 16), k // 32
+    qs, scales = q.qs.view(n, kb, 16), q.scales.view(n, kb, 2)
+    if n16 * 16 != n:
+        qs = torch.cat([qs, qs.new_zeros(n16 * 16 - n, kb, 16)])
+        scales = torch.cat([scales, scales.new_zeros(n16 * 16 - n, kb, 2)])
+    qs = qs.view(n16, 16, kb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(n16, kb, 4, 64)
+    scales = scales.view(n16, 16, kb, 2).permute(0, 2, 3, 1).contiguous()
+    p = min(GGUF_INT8_OUTLIER_CHANNELS if outliers is None else outliers, k)
+    return qs, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(n, p)
 
 
 def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -220,9 +233,10 @@ class CPULinear(nn.Module):
         # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel from VNNI_Q4_MIN_ROWS rows,
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
         self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # per piece of gguf: a 4-bit piece's outlier channels and its values there for the int8 kernel up to
-        # GEMV_MAX_ROWS rows (int32 [P], -1 until its first call chooses them; fp32 [N, P]), None for the others
-        self.gguf_int8: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        # per piece of gguf: a 4-bit piece's form for the int8 kernel up to GEMV_MAX_ROWS rows (gguf_int8_form: its
+        # regrouped blocks, outlier channels, -1 until its first call chooses them, and its values there), None for
+        # the others
+        self.gguf_int8: list[tuple[torch.Tensor, ...] | None] = []
         tiles = weight.shape[1] % 32 == 0  # both tile kernels walk K 32 deep
         self.amx = kernels.amx if tiles else None
         self.fma = kernels.fma if tiles and self.amx is None else None
@@ -305,7 +319,7 @@ class CPULinear(nn.Module):
                     n = q.shape[0]
                     bias = None if self.bias is None else self.bias[col:col + n]
                     if self.gguf_int8 and self.gguf_int8[i] is not None:
-                        self.kernels.gguf_int8(x, q.qs, q.scales, *self.gguf_int8[i], bias, out[:, col:col + n])
+                        self.kernels.gguf_int8(x, *self.gguf_int8[i], bias, out[:, col:col + n])
                     else:
                         self.kernels.gguf(x, q.qs, q.scales, bias, out[:, col:col + n])
                 return out

@@ -45,8 +45,9 @@ struct Linear {
   // a GGUF's quants (layers/quantized.py: GGUFWeight), none if empty; several parts for a fused weight of mixed
   // layouts (GGUFParts), each into the next columns of the output
   std::vector<at::Tensor> gguf_qs, gguf_scales;
-  // per part: a 4-bit part's outlier channels and values for gguf_int8_linear, undefined for gguf_linear
-  std::vector<at::Tensor> gguf_channels, gguf_wc;
+  // per part: a 4-bit part's regrouped blocks, outlier channels and values for gguf_int8_linear, undefined for
+  // gguf_linear
+  std::vector<at::Tensor> gguf_i8_qs, gguf_i8_scales, gguf_channels, gguf_wc;
   at::Tensor q4, q4_scales;  // a 4-bit GGUF weight's nibbles for AMX (amx_q4_panels.h), undefined if none
   // its quants for the int8 dot products and their outlier channels (q4_vnni_linear_cpu.cpp), undefined if none
   at::Tensor q8, q8_scales, q8_channels, q8_wc;
@@ -106,15 +107,18 @@ class LlamaDecoder : public torch::CustomClassHolder {
     l.gguf_qs.push_back(qs), l.gguf_scales.push_back(scales);
   }
 
-  // Part `part` of linear `which` (0-3) of the last layer added takes gguf_int8_linear with these outlier channels
-  // and values (layers/linear.py: CPULinear.gguf_int8; the same tensors, so both loops share the first call's choice).
-  void set_gguf_int8(int64_t which, int64_t part, at::Tensor channels, at::Tensor wc) {
+  // Part `part` of linear `which` (0-3) of the last layer added takes gguf_int8_linear on these regrouped blocks,
+  // outlier channels and values (layers/linear.py: CPULinear.gguf_int8, gguf_int8_form; the same tensors, so both
+  // loops share the first call's choice).
+  void set_gguf_int8(int64_t which, int64_t part, at::Tensor qs, at::Tensor scales, at::Tensor channels,
+                     at::Tensor wc) {
     TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_gguf_int8: a linear (0-3) of an added layer");
     Layer& L = layers_.back();
     Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
     TORCH_CHECK(part >= 0 && part < static_cast<int64_t>(l.gguf_qs.size()), "set_gguf_int8: no such GGUF part");
-    l.gguf_channels.resize(l.gguf_qs.size()), l.gguf_wc.resize(l.gguf_qs.size());
-    l.gguf_channels[part] = channels, l.gguf_wc[part] = wc;
+    const size_t parts = l.gguf_qs.size();
+    l.gguf_i8_qs.resize(parts), l.gguf_i8_scales.resize(parts), l.gguf_channels.resize(parts), l.gguf_wc.resize(parts);
+    l.gguf_i8_qs[part] = qs, l.gguf_i8_scales[part] = scales, l.gguf_channels[part] = channels, l.gguf_wc[part] = wc;
   }
 
   // Linear `which` (0-3) of the last layer added takes amx_q4_linear on these nibbles and scales past
@@ -270,7 +274,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
         if (l.bias) bias = l.bias->narrow(0, col, n);
         if (p < l.gguf_channels.size() && l.gguf_channels[p].defined()) {
           PAGELLM_RANGE("pagellm::gguf_int8_linear");
-          gguf_int8_linear(x, l.gguf_qs[p], l.gguf_scales[p], l.gguf_channels[p], l.gguf_wc[p], bias,
+          gguf_int8_linear(x, l.gguf_i8_qs[p], l.gguf_i8_scales[p], l.gguf_channels[p], l.gguf_wc[p], bias,
                            out.narrow(1, col, n));
         } else {
           PAGELLM_RANGE("pagellm::gguf_linear");

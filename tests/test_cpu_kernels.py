@@ -387,7 +387,7 @@ def test_avx2_cpus_take_the_fma_kernels_and_the_cpp_decoder():
     assert ops.fma_linear_supported()
     kernels = cpu_kernels(ops, torch.bfloat16)
     assert kernels is not None and (kernels.amx or kernels.fma)
-    decoder = torch.classes.pagellm.LlamaDecoder(9, 3, 64, 96, 1e-5, 0.125, 1 << 40, 1 << 40, 4, False, False, 64, 4)
+    decoder = torch.classes.pagellm.LlamaDecoder(9, 3, 64, 96, 1e-5, 0.125, 1 << 40, 1 << 40, 4, False, False, 64)
     assert decoder is not None
 
 

@@ -193,7 +193,7 @@ def test_cpu_linear_takes_it_for_4_bit_pieces_only():
 def test_engines_choose_the_same_channels_at_start(gguf_path):
     # LLMEngine.choose_int8_outliers makes each 4-bit linear's first few-row call a fixed prompt's: after start every
     # form holds its channels, the same in a second engine whatever its first request, and decoding one request
-    # (every step of 3 rows or 1: the few-row kernel's) leaves them as they were; the pool ends whole
+    # (every step at most 4 rows) leaves them as they were; the pool ends whole
     from pagellm import LLM, SamplingParams
 
     from conftest import pool_is_whole

@@ -171,9 +171,8 @@ def test_the_default_model_takes_its_blocks(gguf_llm):
 
 @needs_kernel
 def test_the_cpp_loop_takes_them_as_the_python_loop(gguf_llm):
-    # requests of 1-2 tokens decoding alone and in pairs: every linear step has at most 3 rows, so both loops run
-    # the GGUF kernel (from VNNI_Q4_MIN_ROWS rows a CPU with AVX512-VNNI takes the int8 form, and the C++ loop's
-    # last layer runs only the rows it samples); logprobs identical step for step
+    # requests of 1-3 tokens decoding alone and in pairs: every linear step has at most 4 rows, so both loops run
+    # the GGUF kernel; logprobs identical step for step
     from pagellm import SamplingParams
 
     from conftest import pool_is_whole
@@ -181,7 +180,7 @@ def test_the_cpp_loop_takes_them_as_the_python_loop(gguf_llm):
     model = gguf_llm.llm_engine.model
     if model.decoder is None:
         pytest.skip("no C++ decoder here")
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 4000 + 100 for i in range(n)]} for n in (1, 2, 2, 1)]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 4000 + 100 for i in range(n)]} for n in (1, 3, 2, 1)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     runs, decoder = [], model.decoder
     try:

@@ -2,7 +2,7 @@
 layers/quantized.py: pack_vnni_q4), for CPUs with AVX512-VNNI but no AMX: the weight's values rounded to int8 per
 output column (s = max|w| / 127), x to int8 per row (dx = max|x| / 127), both ties to even, int32 sums. Its output
 must be that math's within bf16's rounding, x's int8 values exactly those described, the silu form the two steps
-bit for bit, and the engine must route VNNI_Q4_MIN_ROWS rows and more to it where it is enabled. AMX machines run it
+bit for bit, and the engine must route more than GEMV_MAX_ROWS rows to it where it is enabled. AMX machines run it
 too (the engine only picks it without AMX), so these tests run wherever the CPU has AVX512-VNNI."""
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import torch
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, VNNI_Q4_MAX_EXCESS,
-                                                  VNNI_Q4_MAX_K, VNNI_Q4_MIN_ROWS, CPUKernels, CPULinear, cpu_kernels,
-                                                  vnni_q4_form)
+                                                  VNNI_Q4_MAX_K, CPUKernels, CPULinear, cpu_kernels, vnni_q4_form)
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from test_gguf_linear import random_blocks
 
@@ -252,25 +251,24 @@ def test_cpus_without_amx_pick_it_unless_told_not_to():
 
 
 @needs_vnni
-def test_cpu_linear_routes_from_vnni_q4_min_rows_to_it():
+def test_cpu_linear_routes_past_gemv_rows_to_it():
     kernels = cpu_kernels(NoAmx(), torch.bfloat16)
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 96, 256, seed=2))
     w = q.dequantize().bfloat16()
     lin = CPULinear(w, None, kernels)
     assert lin.set_gguf(q) and lin.vnni_q4 is not None
-    assert 1 < VNNI_Q4_MIN_ROWS <= GEMV_MAX_ROWS + 1
-    for rows in sorted({1, VNNI_Q4_MIN_ROWS - 1, VNNI_Q4_MIN_ROWS, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300}):
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300):
         x = torch.randn(rows, 256).bfloat16()
         int8 = torch.empty(rows, 96, dtype=torch.bfloat16)
         ops.q4_vnni_linear(x, *lin.vnni_q4, None, int8, False)  # the channels chosen on the first call
         want = int8
-        if rows < VNNI_Q4_MIN_ROWS:  # the few-row kernel on the blocks, x in int8 (test_gguf_int8_linear)
+        if rows <= GEMV_MAX_ROWS:  # the few-row kernel on the blocks, x in int8 (test_gguf_int8_linear)
             want = torch.empty(rows, 96, dtype=torch.bfloat16)
             ops.gguf_int8_linear(x, *lin.gguf_int8[0], None, want)
             assert not torch.equal(int8, want)  # the two paths differ, so the check below tells them apart
         assert torch.equal(lin(x), want), rows
         act = lin.silu_and_mul(x)
-        if rows >= VNNI_Q4_MIN_ROWS:
+        if rows > GEMV_MAX_ROWS:
             want = torch.empty(rows, 48, dtype=torch.bfloat16)
             ops.q4_vnni_linear(x, *lin.vnni_q4, None, want, True)
             assert torch.equal(act, want)
@@ -334,9 +332,9 @@ def int8_engine(gguf_path, **kw):
 
 @needs_vnni
 def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
-    # The C++ layer loop runs q4_vnni_linear for prefill and for decode steps of VNNI_Q4_MIN_ROWS rows or more, and
-    # the pool ends whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`,
-    # workload_16, 2,048 positions) gave 99.02% on Zen 4, 2026-12-06 (99.07% with a step per 32-deep block of the weight,
+    # The C++ layer loop runs q4_vnni_linear for prefill and for decode steps of more than 4 rows, and the pool ends
+    # whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`, workload_16,
+    # 2,048 positions) gave 99.02% on Zen 4, 2026-12-06 (99.07% with a step per 32-deep block of the weight,
     # 99.46-99.56% with the 4-bit weight as it is and x rounded per 32-deep block), against 99.71% on the bf16
     # weights; workload_64 (8,192 positions) 98.54% (98.73% with a step per block). The tests' text prompts are 192
     # positions, one of them 0.52%: 95.3% here (96.9% with a step per block; x per block: 96.4-97.9% over 4-32

@@ -183,12 +183,12 @@ class LLMEngine:
             self.kv_manager.pool.free(blocks)
 
     def choose_int8_outliers(self) -> None:
-        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights, from VNNI_Q4_MIN_ROWS rows on CPUs with
-        AVX512-VNNI but no AMX, up to GEMV_MAX_ROWS below that on CPUs with AVX512-VNNI or AVX2) keep a few input channels per weight out
+        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights, past GEMV_MAX_ROWS rows on CPUs with
+        AVX512-VNNI but no AMX, up to it on CPUs with AVX512-VNNI or AVX2) keep a few input channels per weight out
         of x's int8 values, chosen on each kernel's first call. Make those calls a fixed prompt's, now: every engine
         of a model then takes the same channels, whatever its first requests (a prompt prefilled in chunks or
         whole, alone or in a batch, gets the same numbers)."""
-        from pagellm.model_executor.layers.linear import GEMV_MAX_ROWS, VNNI_Q4_MIN_ROWS, CPULinear
+        from pagellm.model_executor.layers.linear import GEMV_MAX_ROWS, CPULinear
 
         lins = [m for m in self.model.modules() if isinstance(m, CPULinear)]
         many = any(m.vnni_q4 is not None for m in lins)
@@ -206,8 +206,8 @@ class LLMEngine:
             ids = [b.block_id for b in blocks]
             if many:  # logits for every row, so the last layer's linears run on all of them
                 self.runner.forward_prompt(tokens, ids, 1)
-            if few:  # every linear at fewer rows than either bound: the few-row kernel's
-                self.runner.forward_prompt(tokens[:min(GEMV_MAX_ROWS, VNNI_Q4_MIN_ROWS - 1, n)], ids, 1)
+            if few:  # every linear at most GEMV_MAX_ROWS rows: the few-row kernel's
+                self.runner.forward_prompt(tokens[:min(GEMV_MAX_ROWS, n)], ids, 1)
         finally:
             self.kv_manager.pool.free(blocks)
 

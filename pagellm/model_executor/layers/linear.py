@@ -95,12 +95,11 @@ logger = logging.getLogger("pagellm")
 
 AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
 PACKED_MAX_ROWS = 128
+# up to this many rows a GGUF weight takes the few-row kernels on its blocks; past it, without AMX, a 4-bit one its
+# int8 form (vnni_q4). On Zen 4 SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the few-row
+# int8 kernel against 5.2-5.4 on the int8 form (7.0-7.4 before its bytes were regrouped), at 1 row 3.1-3.4 against
+# 4.5-5.1 (docs/performance-log.md)
 GEMV_MAX_ROWS = 4
-# a 4-bit weight's int8 form (vnni_q4) takes this many rows and more, the few-row kernel on its nibbles (gguf_int8)
-# those below: on Zen 4, SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the few-row kernel
-# (6.2-7.4 before its bytes were regrouped, when 4 rows went to vnni_q4 for a session) against 5.2-5.4 on vnni_q4,
-# at 1 row 3.1-3.4 against 4.5-5.1 (docs/performance-log.md)
-VNNI_Q4_MIN_ROWS = GEMV_MAX_ROWS + 1
 # a greedy LM head with GGUF blocks takes the int8 screen (argmax) from this many rows without AMX: its int8 copy
 # streams as many bytes as a Q8_0 head's blocks, and the few-row kernel's cost grows with the rows (Zen 4, SmolLM2's
 # head after 64 MB streamed, `python bench/kernels.py`: 1.1-1.2 against 1.0-1.1 ms at 1 and 2 rows, 1.0-1.3 against
@@ -230,7 +229,7 @@ class CPULinear(nn.Module):
         self.gguf: GGUFWeight | GGUFParts | None = None
         # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
         self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
-        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel from VNNI_Q4_MIN_ROWS rows,
+        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
         self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per piece of gguf: a 4-bit piece's form for the int8 kernel up to GEMV_MAX_ROWS rows (gguf_int8_form: its
@@ -304,16 +303,12 @@ class CPULinear(nn.Module):
                 and x.dtype == torch.bfloat16)
 
     def _takes_vnni_q4(self, x: torch.Tensor) -> bool:
-        return self.vnni_q4 is not None and VNNI_Q4_MIN_ROWS <= x.shape[0] and x.dtype == torch.bfloat16
-
-    def _takes_gguf(self, x: torch.Tensor) -> bool:
-        return (self.gguf is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
-                and not self._takes_vnni_q4(x))
+        return self.vnni_q4 is not None and GEMV_MAX_ROWS < x.shape[0] and x.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if x.dim() == 2 and x.stride(-1) == 1 and rows > 0:  # no rows: a prefill step that samples nothing
-            if self._takes_gguf(x):
+            if self.gguf is not None and rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 for i, (q, col) in enumerate(self.gguf.pieces):  # one, or the parts of a fused weight of mixed layouts
                     n = q.shape[0]
@@ -393,7 +388,7 @@ class CPULinear(nn.Module):
         steps); None where that does not apply (no tile kernel, rows it does not take, x not row-major, an
         intermediate size that is not a multiple of 16)."""
         rows, inter = x.shape[0], self.weight.shape[0] // 2
-        if self._takes_gguf(x):
+        if self.gguf is not None and rows <= GEMV_MAX_ROWS:
             return None  # forward's GGUF kernel, then silu_and_mul
         if self._takes_vnni_q4(x) and x.dim() == 2 and x.stride(-1) == 1 and inter % 16 == 0:
             out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)

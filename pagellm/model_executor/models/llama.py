@@ -17,8 +17,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
-from pagellm.model_executor.layers.linear import (AMX_MAX_ROWS, AMX_Q4_MAX_ROWS, GEMV_MAX_ROWS, VNNI_Q4_MIN_ROWS,
-                                                  CPUKernels, CPULinear, replace_linears)
+from pagellm.model_executor.layers.linear import (AMX_MAX_ROWS, AMX_Q4_MAX_ROWS, GEMV_MAX_ROWS, CPUKernels, CPULinear,
+                                                  replace_linears)
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -277,8 +277,7 @@ class LlamaForCausalLM(nn.Module):
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
                                                      backend.max_query(torch.bfloat16), GEMV_MAX_ROWS,
-                                                     backend.fp16_sums, kernels.fma_dot, AMX_Q4_MAX_ROWS,
-                                                     VNNI_Q4_MIN_ROWS)
+                                                     backend.fp16_sums, kernels.fma_dot, AMX_Q4_MAX_ROWS)
         no_bias, no_blocks = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp

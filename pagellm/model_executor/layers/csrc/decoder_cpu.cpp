@@ -20,7 +20,7 @@
 // kernel on the plain weight up to it, except with the FMA kernel's dot products, which take every row count (the
 // routing of layers/linear.py's CPULinear, so the two loops agree); a linear
 // with a GGUF file's blocks takes them up to gemv_max_rows rows, with AMX too (gguf_linear_cpu.cpp; a 4-bit one
-// with x in int8, gguf_int8_linear_cpu.cpp), but one with an int8 form takes that from vnni_q4_min_rows rows.
+// with x in int8, gguf_int8_linear_cpu.cpp).
 // Attention: the paged kernel for decode rows and short chunks (without AMX, every chunk), the AMX prefill kernel
 // for longer chunks, and for a cascade step the shared prefix once for all its requests, merged by log-sum-exp.
 #include <ATen/ATen.h>
@@ -64,13 +64,12 @@ class LlamaDecoder : public torch::CustomClassHolder {
  public:
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
                double scale, int64_t amx_max_rows, int64_t kernel_max_query, int64_t gemv_max_rows,
-               bool attention_fp16_sums, bool fma_dot, int64_t amx_q4_max_rows, int64_t vnni_q4_min_rows)
+               bool attention_fp16_sums, bool fma_dot, int64_t amx_q4_max_rows)
       : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale),
         amx_max_rows_(amx_max_rows), kernel_max_query_(kernel_max_query),
         fp16_sums_(attention_fp16_sums), fma_dot_(fma_dot), amx_(amx_linear_supported()),
         gemv_max_rows_(!amx_ && !fma_dot && small_m_linear_supported() ? gemv_max_rows : 0),
-        gguf_max_rows_(gemv_max_rows), amx_q4_max_rows_(amx_ ? amx_q4_max_rows : 0),
-        vnni_q4_min_rows_(vnni_q4_min_rows) {
+        gguf_max_rows_(gemv_max_rows), amx_q4_max_rows_(amx_ ? amx_q4_max_rows : 0) {
     TORCH_CHECK(amx_ || fma_linear_supported(), "LlamaDecoder needs AMX-BF16, AVX-512 or AVX2 with FMA");
   }
 
@@ -131,7 +130,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   // Linear `which` (0-3) of the last layer added takes q4_vnni_linear on these quants, scales and outlier channels
-  // from vnni_q4_min_rows rows (layers/linear.py: CPULinear.vnni_q4; the same tensors, so both loops share the
+  // past gguf_max_rows rows (layers/linear.py: CPULinear.vnni_q4; the same tensors, so both loops share the
   // channels the first call chooses).
   void set_vnni_q4(int64_t which, at::Tensor q8, at::Tensor scales, at::Tensor channels, at::Tensor wc) {
     TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_vnni_q4: a linear (0-3) of an added layer");
@@ -257,13 +256,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
     else add_rms_norm(h, residual, weight, eps_);
   }
 
-  bool takes_q8(const Linear& l, int64_t rows) const { return l.q8.defined() && rows >= vnni_q4_min_rows_; }
-  bool takes_gguf(const Linear& l, int64_t rows) const {
-    return !l.gguf_qs.empty() && rows <= gguf_max_rows_ && !takes_q8(l, rows);
-  }
+  bool takes_gguf(const Linear& l, int64_t rows) const { return !l.gguf_qs.empty() && rows <= gguf_max_rows_; }
   bool takes_q4(const Linear& l, int64_t rows) const {
     return l.q4.defined() && rows > gguf_max_rows_ && rows <= amx_q4_max_rows_;
   }
+  bool takes_q8(const Linear& l, int64_t rows) const { return l.q8.defined() && rows > gguf_max_rows_; }
 
   void linear(const at::Tensor& x, const Linear& l, at::Tensor out) const {
     if (takes_gguf(l, x.size(0))) {
@@ -352,7 +349,6 @@ class LlamaDecoder : public torch::CustomClassHolder {
   int64_t gemv_max_rows_;  // the streaming kernel up to this many rows (without AMX or the dot products; 0: never)
   int64_t gguf_max_rows_;  // a linear with GGUF blocks takes them up to this many rows (CPULinear's GEMV_MAX_ROWS)
   int64_t amx_q4_max_rows_;  // and one with AMX nibbles those up to this many (CPULinear's AMX_Q4_MAX_ROWS)
-  int64_t vnni_q4_min_rows_;  // one with an int8 form takes that from this many rows, before its blocks
   std::vector<Layer> layers_;
 };
 
@@ -361,7 +357,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.class_<LlamaDecoder>("LlamaDecoder")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t, int64_t, bool, bool,
-                       int64_t, int64_t>())
+                       int64_t>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
       .def("set_gguf_int8", &LlamaDecoder::set_gguf_int8)

@@ -158,7 +158,8 @@ def gguf_llm(gguf_path):
 @needs_kernel
 def test_the_default_model_takes_its_blocks(gguf_llm):
     # every layer linear holds its (fused, q/k un-permuted) Q4_1 blocks and the LM head the tied embeddings' Q8_0
-    # ones: dequantized and rounded to bf16 they are the model's weight exactly, which fails for a row out of place
+    # ones: dequantized and rounded to bf16 they are the model's weight exactly, which fails for a row out of place;
+    # a linear whose int8 kernels take every row count (CPUs with AVX512-VNNI but no AMX) holds no packed copy
     model = gguf_llm.llm_engine.model
     assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")
     assert model.fast_lm_head.gguf.kind == "q8_0"
@@ -167,6 +168,7 @@ def test_the_default_model_takes_its_blocks(gguf_llm):
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert lin.gguf is not None and lin.gguf.kind == "q4_1"
             assert torch.equal(lin.gguf.dequantize().bfloat16(), lin.weight)
+            assert (lin.amx_weight is None) == (lin.vnni_q4 is not None and all(lin.gguf_int8))
 
 
 @needs_kernel

@@ -256,7 +256,9 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 96, 256, seed=2))
     w = q.dequantize().bfloat16()
     lin = CPULinear(w, None, kernels)
+    assert lin.amx_weight is not None
     assert lin.set_gguf(q) and lin.vnni_q4 is not None
+    assert lin.amx_weight is None and lin.tiled is None  # the int8 kernels take every row count: no packed copy
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300):
         x = torch.randn(rows, 256).bfloat16()
         int8 = torch.empty(rows, 96, dtype=torch.bfloat16)
@@ -275,7 +277,7 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
         else:
             assert act is None  # forward's GGUF kernel, then silu_and_mul
     off = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
-    assert off.set_gguf(q) and off.vnni_q4 is None
+    assert off.set_gguf(q) and off.vnni_q4 is None and off.amx_weight is not None
 
 
 def excess_by_hand(q: GGUFWeight) -> float:

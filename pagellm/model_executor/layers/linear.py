@@ -296,6 +296,11 @@ class CPULinear(nn.Module):
                 if self.vnni_q4 is None:
                     logger.info("a %d x %d 4-bit weight keeps the bf16 paths: its int8 form is too coarse in some "
                                 "column (over %.2f of the 4-bit rounding's own error)", *q.shape, VNNI_Q4_MAX_EXCESS)
+        if self.vnni_q4 is not None and all(self.gguf_int8) and self.weight.shape[0] % 32 == 0:
+            # every bf16 row count now takes an int8 kernel: up to GEMV_MAX_ROWS the few-row one, past it the int8
+            # form, plain and silu(gate) * up alike (an intermediate size of a multiple of 16), in both layer loops;
+            # so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's layers) goes
+            self.amx_weight = self.tiled = self.tiled_silu_mul = None
         return True
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:

@@ -272,7 +272,8 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if (s.qk_norm or getattr(backend, "ops", None) is None or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not all(isinstance(m, CPULinear) and m.amx_weight is not None for m in linears)):
+                or not all(isinstance(m, CPULinear) and (m.amx_weight is not None or m.vnni_q4 is not None)
+                           for m in linears)):
             return None
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
                                                      s.eps, self.layers[0].self_attn.scale, AMX_MAX_ROWS,
@@ -285,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
             lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             pieces = [[q for q, _ in lin.gguf.pieces] if lin.gguf is not None else [] for lin in lins]
             for lin, qs in zip(lins, pieces):
-                tensors += [lin.amx_weight, lin.weight, no_bias if lin.bias is None else lin.bias,
+                packed = no_bias if lin.amx_weight is None else lin.amx_weight  # none: the int8 kernels take all rows
+                tensors += [packed, lin.weight, no_bias if lin.bias is None else lin.bias,
                             qs[0].qs if qs else no_blocks, qs[0].scales if qs else no_blocks]
             decoder.add_layer([t.detach() for t in tensors], a.sliding_window or 0, [lin.w_inv for lin in lins])
             for which, qs in enumerate(pieces):  # a fused weight of mixed layouts: its further parts

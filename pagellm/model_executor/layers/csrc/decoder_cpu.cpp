@@ -74,7 +74,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
   // weights: input_norm, post_norm, then (packed, plain, bias, GGUF qs, GGUF scales) for qkv, o, gate_up, down;
-  // an empty bias: none, empty GGUF tensors: none. w_inv: the four packed weights' scales (1 but for the FMA
+  // an empty bias: none, empty GGUF tensors: none, an empty packed weight: none (a 4-bit weight whose int8 kernels
+  // take every row count, layers/linear.py: CPULinear.set_gguf). w_inv: the four packed weights' scales (1 but for the FMA
   // kernel's fp16 copies, which it needs AVX512-FP16 for).
   void add_layer(std::vector<at::Tensor> w, int64_t window, std::vector<double> w_inv) {
     TORCH_CHECK(w.size() == 22 && w_inv.size() == 4, "add_layer: 22 tensors and 4 scales, got ", w.size(), ", ",
@@ -256,6 +257,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
     else add_rms_norm(h, residual, weight, eps_);
   }
 
+  static const at::Tensor& packed(const Linear& l) {
+    TORCH_CHECK(l.packed.numel() > 0, "LlamaDecoder: a linear without its packed weight took the tile kernels");
+    return l.packed;
+  }
   bool takes_gguf(const Linear& l, int64_t rows) const { return !l.gguf_qs.empty() && rows <= gguf_max_rows_; }
   bool takes_q4(const Linear& l, int64_t rows) const {
     return l.q4.defined() && rows > gguf_max_rows_ && rows <= amx_q4_max_rows_;
@@ -290,10 +295,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
       small_m_linear(x, l.weight, l.bias, out);
     } else if (x.size(0) <= amx_max_rows_ && amx_) {
       PAGELLM_RANGE("pagellm::amx_linear");
-      amx_linear(x, l.packed, l.bias, out);
+      amx_linear(x, packed(l), l.bias, out);
     } else if (x.size(0) <= amx_max_rows_) {
       PAGELLM_RANGE("pagellm::fma_linear");
-      fma_linear(x, l.packed, l.bias, out, l.w_inv, fma_dot_);
+      fma_linear(x, packed(l), l.bias, out, l.w_inv, fma_dot_);
     } else if (l.bias.has_value()) {
       at::addmm_out(out, *l.bias, x, l.weight.t());
     } else {
@@ -319,10 +324,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
         amx_q4_linear(h, l.q4, l.q4_scales, l.bias, act, true);
       } else if (amx_) {
         PAGELLM_RANGE("pagellm::amx_linear_silu_mul");
-        amx_linear_silu_mul(h, l.packed, l.bias, act);
+        amx_linear_silu_mul(h, packed(l), l.bias, act);
       } else {
         PAGELLM_RANGE("pagellm::fma_linear_silu_mul");
-        fma_linear_silu_mul(h, l.packed, l.bias, act, l.w_inv, fma_dot_);
+        fma_linear_silu_mul(h, packed(l), l.bias, act, l.w_inv, fma_dot_);
       }
       return;
     }

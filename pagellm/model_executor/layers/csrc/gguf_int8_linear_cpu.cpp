@@ -10,10 +10,11 @@
 // their 80 MB, where two threads read 31), twice that on one core, and twice that again at 4 rows; the AVX2 kind's
 // single-request TPOT was 18.3 ms where its memory floor for the 112 MB a token reads is ~9-12 ms. Here the
 // nibbles meet x's int8 values as they are, 16 output columns to a vector (8 on AVX2): per block of 32 depths and
-// row, 8 VPDPBUSD (AVX2: 8 VPMADDUBSW, 6 adds, 2 VPMADDWD) on x's quads broadcast, then 2 conversions, a multiply
-// and 3 FMAs for the block's steps; the nibbles' mask and shift are shared by the rows. A first version kept each
-// output column's blocks in its own vector's lanes, which cost ~8 operations a row for every 128 weights of a
-// column (2.5-3x these) and made 4 rows slower than q4_vnni_linear. Figures: docs/performance-log.md.
+// row, 8 VPDPBUSD (AVX2: 8 VPMADDUBSW summed in int16, then 2 VPMADDWD) on x's quads broadcast, then 2
+// conversions, a multiply and 3 FMAs for the block's steps; the nibbles' mask and shift are shared by the rows. A
+// first version kept each output column's blocks in its own vector's lanes, which cost ~8 operations a row for
+// every 128 weights of a column (2.5-3x these) and made 4 rows slower than q4_vnni_linear. Figures:
+// docs/performance-log.md.
 //
 // The math, per row r and output column n, blocks b of 32 depths with the weight's d, m (w = d q + m, q in 0..15,
 // exact in fp32 as the loader's values): P outlier channels (chosen once, below) are zeroed in x, then per half h

@@ -155,20 +155,44 @@ def gguf_llm(gguf_path):
     return LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB")
 
 
+def ungrouped(form: tuple[torch.Tensor, ...], n: int) -> GGUFWeight:
+    """The q4_1 weight [n, K] whose blocks gguf_int8_form regrouped into form (its inverse)."""
+    qs, scales = form[0], form[1]
+    n16, kb = qs.shape[0], qs.shape[1]
+    return GGUFWeight("q4_1", qs.view(n16, kb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(n16 * 16, kb, 16)[:n],
+                      scales.permute(0, 3, 1, 2).reshape(n16 * 16, kb, 2)[:n])
+
+
 @needs_kernel
-def test_the_default_model_takes_its_blocks(gguf_llm):
+def test_the_default_model_takes_its_blocks(gguf_llm, gguf_path):
     # every layer linear holds its (fused, q/k un-permuted) Q4_1 blocks and the LM head the tied embeddings' Q8_0
-    # ones: dequantized and rounded to bf16 they are the model's weight exactly, which fails for a row out of place;
-    # a linear whose int8 kernels take every row count (CPUs with AVX512-VNNI but no AMX) holds no packed copy
+    # ones: dequantized and rounded to bf16 they are the checkpoint's weight exactly, which fails for a row out of
+    # place. A linear whose int8 kernels take every row count (CPUs with AVX512-VNNI but no AMX) holds no packed
+    # copy, nor its bf16 weight and blocks: there the regrouped blocks are checked the same way.
+    from pagellm.model_executor.loader import load_checkpoint
+
+    weights = load_checkpoint(gguf_path, torch.bfloat16).weights
     model = gguf_llm.llm_engine.model
     assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")
     assert model.fast_lm_head.gguf.kind == "q8_0"
     assert torch.equal(model.fast_lm_head.gguf.dequantize().bfloat16(), model.fast_lm_head.weight)
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert lin.gguf is not None and lin.gguf.kind == "q4_1"
-            assert torch.equal(lin.gguf.dequantize().bfloat16(), lin.weight)
-            assert (lin.amx_weight is None) == (lin.vnni_q4 is not None and all(lin.gguf_int8))
+    assert torch.equal(model.fast_lm_head.weight, weights["model.embed_tokens.weight"])
+    lean = 0
+    for i, layer in enumerate(model.layers):
+        for name, parts in (("self_attn.qkv_proj", ["q", "k", "v"]), ("self_attn.o_proj", ["o"]),
+                            ("mlp.gate_up_proj", ["gate", "up"]), ("mlp.down_proj", ["down"])):
+            lin = layer.get_submodule(name)
+            src = name.split(".")[0]
+            want = torch.cat([weights[f"model.layers.{i}.{src}.{p}_proj.weight"] for p in parts])
+            assert lin.gguf is not None and lin.gguf.kind == "q4_1" and lin.weight.shape == want.shape
+            covered = lin.vnni_q4 is not None and all(lin.gguf_int8)
+            assert (lin.amx_weight is None) == covered == lin.weight.is_meta == lin.gguf.qs.is_meta
+            if covered:
+                lean += 1
+                assert torch.equal(ungrouped(lin.gguf_int8[0], want.shape[0]).dequantize().bfloat16(), want)
+            else:
+                assert torch.equal(lin.gguf.dequantize().bfloat16(), want) and torch.equal(lin.weight, want)
+    assert lean in (0, 4 * len(model.layers))
 
 
 @needs_kernel

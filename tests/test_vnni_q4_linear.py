@@ -258,7 +258,9 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     lin = CPULinear(w, None, kernels)
     assert lin.amx_weight is not None
     assert lin.set_gguf(q) and lin.vnni_q4 is not None
-    assert lin.amx_weight is None and lin.tiled is None  # the int8 kernels take every row count: no packed copy
+    # the int8 kernels take every row count: no packed copy, nor the bf16 weight and the blocks (their shapes kept)
+    assert lin.amx_weight is None and lin.tiled is None
+    assert lin.weight.is_meta and lin.weight.shape == (96, 256) and lin.gguf.qs.is_meta and lin.gguf.shape == (96, 256)
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300):
         x = torch.randn(rows, 256).bfloat16()
         int8 = torch.empty(rows, 96, dtype=torch.bfloat16)
@@ -276,8 +278,15 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
             assert torch.equal(act, want)
         else:
             assert act is None  # forward's GGUF kernel, then silu_and_mul
+        # any other x goes as bf16 rows: leading dimensions, a stride, another dtype, no rows
+        x3 = torch.randn(rows, 2, 512).bfloat16()
+        want = lin(x3[..., ::2].reshape(2 * rows, 256).contiguous()).view(rows, 2, 96)
+        assert torch.equal(lin(x3[..., ::2]), want)
+        assert torch.equal(lin(x3[..., ::2].float()), want.float())
+    assert lin(torch.randn(0, 256).bfloat16()).shape == (0, 96) and lin(torch.randn(2, 0, 256)).shape == (2, 0, 96)
     off = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
     assert off.set_gguf(q) and off.vnni_q4 is None and off.amx_weight is not None
+    assert torch.equal(off.weight, w) and not off.gguf.qs.is_meta
 
 
 def excess_by_hand(q: GGUFWeight) -> float:
@@ -323,7 +332,8 @@ def int8_engine(gguf_path, **kw):
     swapped = {}
     for m in model.layers.modules():
         if isinstance(m, CPULinear) and m.gguf is not None:
-            m.amx_q4, m.vnni_q4 = None, vnni_q4_form(m.gguf)
+            if m.vnni_q4 is None:  # else the engine made it (and dropped the blocks: CPULinear.set_gguf)
+                m.amx_q4, m.vnni_q4 = None, vnni_q4_form(m.gguf)
             m.kernels = swapped.setdefault(id(m.kernels),
                                            dataclasses.replace(m.kernels, vnni_q4=ops.q4_vnni_linear.default))
     assert swapped

@@ -301,7 +301,18 @@ class CPULinear(nn.Module):
             # form, plain and silu(gate) * up alike (an intermediate size of a multiple of 16), in both layer loops;
             # so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's layers) goes
             self.amx_weight = self.tiled = self.tiled_silu_mul = None
+            if self.screen is None:  # the screen reads the bf16 weight
+                self._keep_int8_forms_only()
         return True
+
+    def _keep_int8_forms_only(self) -> None:
+        """Drops the plain bf16 weight and the GGUF blocks where the int8 forms serve every call: each a copy no
+        kernel reads any more (for SmolLM2's layers ~200 and ~80 MB; a 7B model's 13 and 3.5 GB). Their shapes
+        stay, as meta tensors (forward's output width, the C++ loop's checks): a path that read their values would
+        fail, not compute from nothing. The model's parameter goes with the plain weight: this layer held it."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.gguf = self.gguf.shapes_only()
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:
         return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS
@@ -341,6 +352,12 @@ class CPULinear(nn.Module):
                 return out
             if self.onednn_weight is not None and rows <= PACKED_MAX_ROWS:
                 return packed_linear(x, self.onednn_weight, self.bias)
+        if self.weight.is_meta:  # only the int8 forms are held (set_gguf): x as bf16 rows, which they take
+            n, k = self.weight.shape
+            flat = x.reshape(-1, k)
+            if not flat.shape[0]:
+                return x.new_empty(*x.shape[:-1], n)
+            return self(flat.to(torch.bfloat16).contiguous()).to(x.dtype).view(*x.shape[:-1], n)
         return F.linear(x, self.weight, self.bias)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -201,6 +201,11 @@ class GGUFWeight:
         packed = w8.view(tiles, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, kc, 8, 64).contiguous()
         return packed, out, excess
 
+    def shapes_only(self) -> "GGUFWeight":
+        """This weight with its quants and scales as meta tensors: their shapes, no bytes (CPULinear's
+        _keep_int8_forms_only)."""
+        return GGUFWeight(self.kind, self.qs.to("meta"), self.scales.to("meta"))
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight, as the kernel computes each weight (and ``gguf.quants.dequantize``)."""
         if self.kind == "q4_1":
@@ -232,6 +237,9 @@ class GGUFParts:
             out.append((p, col))
             col += p.shape[0]
         return out
+
+    def shapes_only(self) -> "GGUFParts":
+        return GGUFParts([p.shapes_only() for p in self.parts])
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])

@@ -52,6 +52,20 @@ def test_every_type_unpacks_to_gguf_exact_weights(kind):
     assert np.isfinite(want).all() and (want != 0).mean() > 0.9  # a test that can fail: varied, finite weights
 
 
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+def test_dequantize_in_pieces_is_the_same(kind, monkeypatch):
+    # dequantize makes DEQUANT_FLOATS values at a time: 300 of 512 a row is one row a piece, 1,100 two rows and a
+    # last piece of one; each rounded once to the dtype asked for
+    from pagellm.model_executor.layers import quantized
+
+    q = GGUFWeight.from_blocks(kind, random_blocks(kind, 5, 512, seed=4))
+    whole = q.dequantize()
+    for floats in (300, 1100):
+        monkeypatch.setattr(quantized, "DEQUANT_FLOATS", floats)
+        assert torch.equal(q.dequantize(), whole)
+        assert torch.equal(q.dequantize(torch.bfloat16), whole.bfloat16())
+
+
 @pytest.mark.parametrize("kind", sorted(QTYPES))
 def test_blocks_dequantize_as_the_loader(kind):
     raw = random_blocks(kind, 24, 96)

@@ -875,3 +875,22 @@ def test_torch_dequantization_is_bit_exact_with_gguf(qtype):
     want = gguf.quants.dequantize(data, qtype)
     got = gguf_loader._dequantize_torch(data, qtype).reshape(want.shape)
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_build_model_takes_the_checkpoints_tensors_over(tiny_hf):
+    # load_weights consumes the dict: a parameter of matching dtype is the checkpoint's tensor itself (no second
+    # copy held at load), fused ones (q/k/v) are their concatenation, and nothing is left behind
+    from pagellm.model_executor.layers.attention import select_backend
+    from pagellm.model_executor.models import build_model
+
+    d, cfg, sd = tiny_hf["llama"]
+    ck = load_checkpoint(str(d), torch.float32)
+    embed, q = ck.weights["model.embed_tokens.weight"], ck.weights["model.layers.0.self_attn.q_proj.weight"].clone()
+    shape = ModelShape(ck.hf_config, ck.architecture)
+    backend = select_backend("torch", torch.device("cpu"), shape.num_kv_heads, shape.head_dim, 16, torch.float32)
+    model = build_model(ck.hf_config, ck.architecture, ck.weights, torch.float32, torch.device("cpu"), backend, 256)
+    assert ck.weights == {}
+    assert model.embed_tokens.weight.data_ptr() == embed.data_ptr()
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight[:q.shape[0]], q)
+    with pytest.raises(ValueError, match="missing weight 'model.embed_tokens.weight'"):
+        build_model(ck.hf_config, ck.architecture, {}, torch.float32, torch.device("cpu"), backend, 256)

@@ -74,6 +74,23 @@ def test_pack_vnni_q4_puts_each_weight_where_the_kernel_reads_it():
         GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 16, 64)).pack_vnni_q4()
 
 
+def test_pack_vnni_q4_in_pieces_is_the_same(monkeypatch):
+    # made DEQUANT_FLOATS values at a time, whole 16-column tiles: here 1 or 2 tiles a piece, the last one partial
+    # (40 columns); the outlying block makes its column's excess the largest, in the second piece
+    from pagellm.model_executor.layers import quantized
+
+    raw = random_blocks("Q4_1", 40, 96, seed=6)
+    raw.view(40, 3, 20)[21, 1, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
+    q = GGUFWeight.from_blocks("Q4_1", raw)
+    whole = q.pack_vnni_q4()
+    assert whole[2] > 1
+    for floats in (16 * 96, 32 * 96):
+        monkeypatch.setattr(quantized, "DEQUANT_FLOATS", floats)
+        q8, sc, excess = q.pack_vnni_q4()
+        assert torch.equal(q8, whole[0]) and excess == whole[2]
+        assert torch.equal(sc.view(torch.int32), whole[1].view(torch.int32))  # (the offsets: int32 bits)
+
+
 @needs_vnni
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 300])
@@ -287,6 +304,17 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     off = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
     assert off.set_gguf(q) and off.vnni_q4 is None and off.amx_weight is not None
     assert torch.equal(off.weight, w) and not off.gguf.qs.is_meta
+    # the blocks handed over at construction (the model's way): the same forms, and no packed copy made at all
+    built = CPULinear(w, None, kernels, q)
+    assert built.amx_weight is None and built.weight.is_meta and built.gguf.qs.is_meta
+    x = torch.randn(64, 256).bfloat16()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # (bytes: the int8 form's offsets are int32 bits)
+               for a, b in zip(built.vnni_q4[:2] + built.gguf_int8[0][:2], lin.vnni_q4[:2] + lin.gguf_int8[0][:2]))
+    for i in (2, 3):  # the outlier channels lin's first call chose, and the weight's values there
+        built.vnni_q4[i].copy_(lin.vnni_q4[i])
+    assert torch.equal(built(x), lin(x))
+    kept = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None), q)
+    assert kept.amx_weight is not None and torch.equal(kept(x), off(x))
 
 
 def excess_by_hand(q: GGUFWeight) -> float:

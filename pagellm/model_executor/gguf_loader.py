@@ -290,16 +290,17 @@ def read_gguf_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     return {t.name: _to_torch(dequantize_tensor(t, f.path), dtype) for t in f.tensors}
 
 
-def reverse_permute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute(w, n_head, n_head_kv)`` on the rows of a q/k weight or bias.
+def reverse_permute_qk(weights, n_head: int):
+    """Undo llama.cpp's ``permute(w, n_head, n_head_kv)`` on the rows of a q/k weight or bias (a numpy array or a
+    torch tensor; the result contiguous, of the same kind).
 
     llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``.
     """
     rows = weights.shape[0]
     if rows % (2 * n_head):
         raise ValueError(f"cannot un-permute {rows} rows into {n_head} heads of even size")
-    w = weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:])
-    return np.ascontiguousarray(w.swapaxes(2, 1).reshape(weights.shape))
+    w = weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
+    return w.contiguous() if isinstance(w, torch.Tensor) else np.ascontiguousarray(w)
 
 
 def load_gguf(
@@ -332,15 +333,14 @@ def load_gguf(
             )
         # a weight kept as quants is dequantized from them (the same values as dequantize_tensor's, unpacked once)
         q = _gguf_quants(tensor, hf_name, path)
-        arr = q.dequantize().numpy() if q is not None else dequantize_tensor(tensor, path)
+        w = q.dequantize(dtype) if q is not None else _to_torch(dequantize_tensor(tensor, path), dtype)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
         if arch in PERMUTED_QK_ARCHITECTURES and heads:
-            arr = reverse_permute_qk(arr, heads)
+            w = reverse_permute_qk(w, heads)
             if q is not None:  # the quants' rows alike
-                q = GGUFWeight(q.kind, *(torch.from_numpy(reverse_permute_qk(t.numpy(), heads))
-                                         for t in (q.qs, q.scales)))
-        weights[hf_name] = _to_torch(arr, dtype)
+                q = GGUFWeight(q.kind, *(reverse_permute_qk(t, heads) for t in (q.qs, q.scales)))
+        weights[hf_name] = w
         if q is not None:
             quantized[hf_name] = q
     if not getattr(config, "tie_word_embeddings", False):

@@ -219,9 +219,12 @@ def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 class CPULinear(nn.Module):
     """y = x @ weight.T + bias, by the fastest path for x's number of rows. Holds the plain weight (shared with
-    the model's parameter, not copied) and one pre-packed form of it."""
+    the model's parameter, not copied) and one pre-packed form of it. gguf: the weight in a GGUF file's blocks, taken
+    (set_gguf) before the packing, which its int8 forms may make unneeded: a 7B model's packed copies would be 13 GB
+    more at load."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels,
+                 gguf: GGUFWeight | GGUFParts | None = None) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.kernels = kernels
@@ -246,19 +249,25 @@ class CPULinear(nn.Module):
         # 120 layer linears: 10.8 against 13.6 ms at 1 row, 13.1 against 16.2 at 4)
         self.tiled_min_rows = (1 if self.amx is not None or kernels.fma_dot or kernels.gemv is None
                                else GEMV_MAX_ROWS + 1)
-        # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
-        self.w_inv = 1.0
-        if self.fma is not None and kernels.fma_fp16:
-            self.amx_weight, self.w_inv = pack_fp16(weight)
-        else:
-            self.amx_weight = pack_amx(weight) if self.tiled is not None else None
-        # the FMA kernel's scale argument and its sums (dot products or not)
-        self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
         self.gemv = kernels.gemv if self.amx is None else None
-        self.onednn_weight = pack_weight(weight) if self.tiled is None and kernels.onednn_packing else None
+        self.w_inv = 1.0
+        self.amx_weight: torch.Tensor | None = None
+        self.onednn_weight: torch.Tensor | None = None
         # argmax's int8 screen (enable_argmax_screen): the packed copy, and the exact pairs with their weights
         self.screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+        if gguf is not None:
+            self.set_gguf(gguf)
+        if self.tiled is not None:  # (set_gguf drops it where the int8 forms take every row count)
+            # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
+            if self.fma is not None and kernels.fma_fp16:
+                self.amx_weight, self.w_inv = pack_fp16(weight)
+            else:
+                self.amx_weight = pack_amx(weight)
+        elif self.amx is None and self.fma is None and kernels.onednn_packing:
+            self.onednn_weight = pack_weight(weight)
+        # the FMA kernel's scale argument and its sums (dot products or not)
+        self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
 
     def enable_argmax_screen(self) -> bool:
         """Lets argmax take the int8 screen (csrc/argmax_screen_cpu.cpp, argmax_screen_amx.cpp: the same index as
@@ -480,11 +489,15 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 
-def replace_linears(model: nn.Module, kernels: CPUKernels) -> int:
-    """Swap every ``nn.Linear`` under ``model`` for a ``CPULinear`` on the same parameters; returns how many."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
+def replace_linears(model: nn.Module, kernels: CPUKernels,
+                    gguf: dict[str, GGUFWeight | GGUFParts] | None = None) -> int:
+    """Swap every ``nn.Linear`` under ``model`` for a ``CPULinear`` on the same parameters, handing each its blocks
+    in ``gguf`` (by module name under model), if any; returns how many. One at a time, so a weight that its int8
+    forms replace is freed before the next is packed (so only names are listed up front)."""
+    targets = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, CPULinear(linear.weight, linear.bias, kernels))
+        linear = getattr(parent, attr)
+        setattr(parent, attr, CPULinear(linear.weight, linear.bias, kernels, (gguf or {}).get(name)))
     return len(targets)

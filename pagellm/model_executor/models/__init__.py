@@ -25,7 +25,8 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     """Build on the meta device (no wasted random init), materialise on ``device`` in ``dtype``, load weights.
     reduced_precision_reduction: see EngineConfig. quantized: a GGUF's weights in their blocks by HF name
     (LoadedCheckpoint.quantized), for the few-row linears where the CPU kernels run. int8_activations: see
-    EngineConfig.gguf_int8_activations."""
+    EngineConfig.gguf_int8_activations. Consumes weights and quantized: the model takes their tensors over
+    (LlamaForCausalLM.load_weights)."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
     old = torch.get_default_dtype()

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from pagellm.model_executor.layers.linear import (AMX_MAX_ROWS, AMX_Q4_MAX_ROWS, GEMV_MAX_ROWS, CPUKernels, CPULinear,
                                                   replace_linears)
-from pagellm.model_executor.layers.quantized import GGUFWeight
+from pagellm.model_executor.layers.quantized import GGUFParts, GGUFWeight
 from pagellm.model_executor.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -239,32 +239,34 @@ class LlamaForCausalLM(nn.Module):
         where the C++ decoder covers the model (bf16 on AMX or AVX-512, no q/k norms), the layer loop runs in C++.
         quantized: a GGUF file's weights in their blocks by HF name, fused as load_weights fuses the parameters, for
         the few-row path (layers/quantized.py)."""
-        replace_linears(self.layers, kernels)
+        replace_linears(self.layers, kernels, self._fused_gguf(quantized) if quantized else None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.fast_lm_head = CPULinear(weight, None, kernels)
-        self.fast_lm_head.enable_argmax_screen()
+        self.fast_lm_head.enable_argmax_screen()  # (before its blocks: the screen keeps the bf16 weight)
         self.linear_kernels = kernels.name
-        if quantized and self._use_gguf_blocks(quantized):
+        if quantized:
+            head = quantized.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
             lins = [m for m in self.layers.modules() if isinstance(m, CPULinear)]
-            nibbles = "+amx_q4" if any(m.amx_q4 is not None for m in lins) else ""
-            int8 = "+vnni_q4" if any(m.vnni_q4 is not None for m in lins) else ""
-            gguf = "+gguf_int8" if any(f is not None for m in lins for f in m.gguf_int8) else "+gguf"
-            self.linear_kernels += nibbles + int8 + gguf
+            if self.fast_lm_head.set_gguf(head) | any(m.gguf is not None for m in lins):
+                nibbles = "+amx_q4" if any(m.amx_q4 is not None for m in lins) else ""
+                int8 = "+vnni_q4" if any(m.vnni_q4 is not None for m in lins) else ""
+                gguf = "+gguf_int8" if any(f is not None for m in lins for f in m.gguf_int8) else "+gguf"
+                self.linear_kernels += nibbles + int8 + gguf
         self.decoder = self._build_decoder(kernels)
 
-    def _use_gguf_blocks(self, quantized: dict[str, GGUFWeight]) -> bool:
-        """Hands each linear whose every part is in ``quantized`` its (fused) blocks; whether any took them."""
+    def _fused_gguf(self, quantized: dict[str, GGUFWeight]) -> dict[str, GGUFWeight | GGUFParts]:
+        """Each layer linear whose every part is in ``quantized``: its (fused) blocks, by module name under layers.
+        Those parts leave ``quantized`` (as load_weights consumes the weights), so a linear that keeps only its int8
+        forms frees them."""
         parts = {"self_attn.qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"], "self_attn.o_proj": ["self_attn.o_proj"],
                  "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "mlp.down_proj": ["mlp.down_proj"]}
-        head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        took = self.fast_lm_head.set_gguf(quantized.get(head))
-        for i, layer in enumerate(self.layers):
+        fused = {}
+        for i in range(len(self.layers)):
             for name, sources in parts.items():
-                found = [quantized.get(f"model.layers.{i}.{src}.weight") for src in sources]
-                linear = layer.get_submodule(name)
-                if all(found) and isinstance(linear, CPULinear):
-                    took |= linear.set_gguf(GGUFWeight.cat(found))
-        return took
+                keys = [f"model.layers.{i}.{src}.weight" for src in sources]
+                if all(k in quantized for k in keys):
+                    fused[f"{i}.{name}"] = GGUFWeight.cat([quantized.pop(k) for k in keys])
+        return fused
 
     def _build_decoder(self, kernels: CPUKernels):
         """The C++ layer loop over this model's weights, or None where it does not apply (the Python loop runs)."""
@@ -305,7 +307,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set exactly once."""
+        """Take HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set exactly once. Consumes
+        ``weights``: each tensor leaves the dict as it is loaded and becomes the parameter itself where it matches
+        (dtype, device, contiguous), so the checkpoint's tensors and the model's are never both held (a 7B model's
+        14 GB more at load)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -313,13 +318,16 @@ class LlamaForCausalLM(nn.Module):
             p = params[name]
             if p.shape != tensor.shape:
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-            p.copy_(tensor)
+            if tensor.dtype == p.dtype and tensor.device == p.device and tensor.is_contiguous():
+                p.data = tensor
+            else:
+                p.copy_(tensor)
             loaded.add(name)
 
         def need(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing weight {name!r}")
-            return weights[name]
+            return weights.pop(name)
 
         put("embed_tokens.weight", need("model.embed_tokens.weight"))
         put("norm.weight", need("model.norm.weight"))

@@ -475,6 +475,42 @@ def test_quantized_gguf_end_to_end(tmp_path):
     expect = gguf.quants.dequantize(gguf.quants.quantize(llamacpp_permute(q, 2), Q.Q8_0), Q.Q8_0)
     expect = gguf_loader.reverse_permute_qk(expect, 2)
     assert np.array_equal(ck.weights["model.layers.1.self_attn.k_proj.weight"].numpy(), expect)
+    # the engine's way: a layer's linear weights in their blocks alone (un-permuted alike), the rest as before
+    lazy = load_checkpoint(path, torch.float32, defer_quantized=True)
+    deferred = {n for n in ck.weights if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    assert deferred and set(lazy.weights) == set(ck.weights) - deferred and deferred <= set(lazy.quantized)
+    for name in deferred:
+        assert torch.equal(lazy.quantized[name].dequantize(), ck.weights[name]), name
+    for name in lazy.weights:
+        assert torch.equal(lazy.weights[name], ck.weights[name]), name
+
+
+def test_a_model_makes_deferred_weights_from_their_blocks(tmp_path):
+    # without CPU linears to take the blocks (fp32 here), load_weights makes each weight from them: the parameters
+    # those of the checkpoint loaded whole; with them (defer), a linear's weight is left on the meta device
+    from pagellm.model_executor.layers.attention import select_backend
+    from pagellm.model_executor.models import build_model
+
+    cfg = tiny_config("llama")
+    _, sd = random_state_dict(cfg)
+    path = write_gguf(tmp_path / "q8.gguf", "llama", cfg, sd, tokenizer=False, qtype=Q.Q8_0)
+    whole, lazy = load_checkpoint(path, torch.float32), load_checkpoint(path, torch.float32, defer_quantized=True)
+    shape = ModelShape(whole.hf_config, whole.architecture)
+    backend = select_backend("torch", torch.device("cpu"), shape.num_kv_heads, shape.head_dim, 16, torch.float32)
+    args = (whole.hf_config, whole.architecture)
+    ref = build_model(*args, whole.weights, torch.float32, torch.device("cpu"), backend, 256)
+    made = build_model(*args, lazy.weights, torch.float32, torch.device("cpu"), backend, 256, quantized=lazy.quantized)
+    ps = dict(made.named_parameters())
+    assert all(torch.equal(p, ps[n]) for n, p in ref.named_parameters())
+    with pytest.raises(ValueError, match="missing weight 'model.layers.0.self_attn.q_proj.weight'"):
+        build_model(*args, load_checkpoint(path, torch.float32, defer_quantized=True).weights, torch.float32,
+                    torch.device("cpu"), backend, 256)
+    again = load_checkpoint(path, torch.float32, defer_quantized=True)
+    made.load_weights(again.weights, again.quantized, defer=True)
+    lins = [m for m in made.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(lins) == 4 * cfg.num_hidden_layers and all(m.weight.is_meta for m in lins)
+    assert torch.equal(made.embed_tokens.weight, ref.embed_tokens.weight)
+    assert torch.equal(made.layers[0].input_layernorm.weight, ref.layers[0].input_layernorm.weight)
 
 
 # every type gguf can quantize is written quantized; the rest (K-quants, ...) as random blocks

@@ -315,6 +315,13 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     assert torch.equal(built(x), lin(x))
     kept = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None), q)
     assert kept.amx_weight is not None and torch.equal(kept(x), off(x))
+    # a weight the model left to its blocks (load_weights' defer): made from them only where a bf16 path reads it
+    meta = torch.empty(96, 256, dtype=torch.bfloat16, device="meta")
+    made = CPULinear(meta, None, dataclasses.replace(kernels, vnni_q4=None), q)
+    assert torch.equal(made.weight, w) and torch.equal(made(x), off(x))
+    assert CPULinear(meta, None, kernels, q).weight.is_meta
+    with pytest.raises(ValueError, match=r"a \(96, 256\) linear weight left to GGUF blocks, but none were given"):
+        CPULinear(meta, None, kernels)
 
 
 def excess_by_hand(q: GGUFWeight) -> float:

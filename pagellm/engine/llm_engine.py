@@ -73,7 +73,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         dev = config.torch_device
         dtype_hint = None if config.dtype == "auto" else config.dtype
-        ckpt = load_checkpoint(config.model, dtype_hint)
+        # a GGUF's layer linears in their blocks alone: the model makes a bf16 weight only where a kernel reads it
+        ckpt = load_checkpoint(config.model, dtype_hint, defer_quantized=config.gguf_quantized_linears)
         cfg = ckpt.hf_config
         config.finalize(checkpoint_dtype_of(ckpt), cfg.max_position_embeddings)
         if ckpt.dtype != config.torch_dtype:

@@ -304,12 +304,14 @@ def reverse_permute_qk(weights, n_head: int):
 
 
 def load_gguf(
-    path: pathlib.Path, dtype: torch.dtype
+    path: pathlib.Path, dtype: torch.dtype, defer_quantized: bool = False
 ) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None,
            dict[str, GGUFWeight]]:
     """``(config, hf_architecture, weights, tokenizer, quantized)`` from a single GGUF file. ``quantized``: the
     linear weights (and embeddings) of a type quantized.GGUF_BLOCKS lists, as quants (HF names; rows un-permuted as
-    the dequantized weights), for the linears' few-row kernel (layers/quantized.py)."""
+    the dequantized weights), for the linears' few-row kernel (layers/quantized.py). defer_quantized: the layers'
+    linear weights among them are not dequantized into ``weights`` (the model makes them from the quants where it
+    needs them: LlamaForCausalLM.load_weights)."""
     gguf_file = open_gguf(path)
     meta = read_metadata(gguf_file)
     arch, _, hf_arch = gguf_architecture(meta, path)
@@ -333,14 +335,18 @@ def load_gguf(
             )
         # a weight kept as quants is dequantized from them (the same values as dequantize_tensor's, unpacked once)
         q = _gguf_quants(tensor, hf_name, path)
-        w = q.dequantize(dtype) if q is not None else _to_torch(dequantize_tensor(tensor, path), dtype)
+        if q is not None and defer_quantized and hf_name.startswith("model.layers."):
+            w = None
+        else:
+            w = q.dequantize(dtype) if q is not None else _to_torch(dequantize_tensor(tensor, path), dtype)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
         if arch in PERMUTED_QK_ARCHITECTURES and heads:
-            w = reverse_permute_qk(w, heads)
+            w = None if w is None else reverse_permute_qk(w, heads)
             if q is not None:  # the quants' rows alike
                 q = GGUFWeight(q.kind, *(reverse_permute_qk(t, heads) for t in (q.qs, q.scales)))
-        weights[hf_name] = w
+        if w is not None:
+            weights[hf_name] = w
         if q is not None:
             quantized[hf_name] = q
     if not getattr(config, "tie_word_embeddings", False):

@@ -44,7 +44,8 @@ class LoadedCheckpoint:
     weights: dict[str, torch.Tensor]  # HF parameter names, requested dtype, CPU; no lm_head when tied
     tokenizer: transformers.PreTrainedTokenizerBase | None
     source: str  # resolved path
-    # a GGUF's linear weights in blocks of quants (layers/quantized.py), by HF name (next to their dequantized copies)
+    # a GGUF's linear weights in blocks of quants (layers/quantized.py), by HF name: next to their dequantized copies,
+    # or, loaded with defer_quantized, a layer's linear weights in them alone (absent from weights)
     quantized: dict[str, GGUFWeight] = field(default_factory=dict)
 
     @property
@@ -158,11 +159,14 @@ def checkpoint_dtype(ckpt_or_config) -> torch.dtype:
 checkpoint_dtype_of = checkpoint_dtype  # alias used by the engine
 
 
-def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | None = None) -> LoadedCheckpoint:
+def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | None = None,
+                    defer_quantized: bool = False) -> LoadedCheckpoint:
     """Load config, weights (CPU, ``dtype``) and tokenizer of ``model`` (see :func:`resolve_model`).
 
     ``dtype``: a floating torch.dtype, a name such as ``"bfloat16"``, or ``None`` / ``"auto"`` for
-    the checkpoint's own dtype (see :func:`checkpoint_dtype`).
+    the checkpoint's own dtype (see :func:`checkpoint_dtype`). ``defer_quantized``: a GGUF's layer linear weights
+    kept in blocks (``quantized``) are not dequantized into ``weights`` too (gguf_loader.load_gguf): the engine's
+    way, whose linears on int8 forms never need them in bf16.
     """
     path = resolve_model(model)
     if dtype is None or dtype == "auto":
@@ -173,10 +177,10 @@ def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | 
         raise ValueError(f"dtype must be a floating point torch.dtype or 'auto', got {dtype!r}")
     quantized: dict[str, GGUFWeight] = {}
     if path.is_file():
-        config, architecture, weights, tokenizer, quantized = gguf_loader.load_gguf(path, dtype)
+        config, architecture, weights, tokenizer, quantized = gguf_loader.load_gguf(path, dtype, defer_quantized)
     else:
         config, architecture, weights, tokenizer = _load_hf_dir(path, dtype)
-    _finalize_weights(weights, config, architecture, path)
+    _finalize_weights(weights, config, architecture, path, quantized)
     return LoadedCheckpoint(config, architecture, weights, tokenizer, str(path), quantized)
 
 
@@ -318,22 +322,26 @@ def expected_weight_shapes(config: transformers.PretrainedConfig, architecture: 
 
 
 def _finalize_weights(
-    weights: dict[str, torch.Tensor], config: transformers.PretrainedConfig, architecture: str, source: pathlib.Path
+    weights: dict[str, torch.Tensor], config: transformers.PretrainedConfig, architecture: str, source: pathlib.Path,
+    quantized: dict[str, GGUFWeight] | None = None,
 ) -> None:
-    """Drop tied / non-parameter tensors; raise ValueError on missing or mis-shaped weights."""
+    """Drop tied / non-parameter tensors; raise ValueError on missing or mis-shaped weights (a weight held in
+    ``quantized`` alone counts, with its blocks' shape)."""
     for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
         del weights[name]
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    shapes = {name: tuple(q.shape) for name, q in (quantized or {}).items()}
+    shapes.update((name, tuple(w.shape)) for name, w in weights.items())
     expected = expected_weight_shapes(config, architecture)
-    missing = [name for name in expected if name not in weights]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{source}: missing weight {missing[0]!r}; all missing: {missing[:5]}{more}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
+        if shapes[name] != shape:
             raise ValueError(
-                f"{source}: weight {name!r} has shape {list(weights[name].shape)}, expected {list(shape)} "
+                f"{source}: weight {name!r} has shape {list(shapes[name])}, expected {list(shape)} "
                 f"from the config of this {architecture}"
             )
     unexpected = sorted(set(weights) - set(expected))

@@ -256,8 +256,16 @@ class CPULinear(nn.Module):
         # argmax's int8 screen (enable_argmax_screen): the packed copy, and the exact pairs with their weights
         self.screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8_only = False  # the int8 forms alone are held (_keep_int8_forms_only)
         if gguf is not None:
             self.set_gguf(gguf)
+        if weight.is_meta and not self.int8_only:
+            # a weight the model left to its blocks (load_weights' defer) that a bf16 path reads after all: made from
+            # them, the values the loader would have made
+            if gguf is None:
+                raise ValueError(f"a {tuple(weight.shape)} linear weight left to GGUF blocks, but none were given")
+            weight = gguf.dequantize(weight.dtype)
+            self.weight = nn.Parameter(weight, requires_grad=False)
         if self.tiled is not None:  # (set_gguf drops it where the int8 forms take every row count)
             # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
             if self.fma is not None and kernels.fma_fp16:
@@ -322,6 +330,7 @@ class CPULinear(nn.Module):
         w = self.weight
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
         self.gguf = self.gguf.shapes_only()
+        self.int8_only = True
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:
         return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS

@@ -26,7 +26,8 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     reduced_precision_reduction: see EngineConfig. quantized: a GGUF's weights in their blocks by HF name
     (LoadedCheckpoint.quantized), for the few-row linears where the CPU kernels run. int8_activations: see
     EngineConfig.gguf_int8_activations. Consumes weights and quantized: the model takes their tensors over
-    (LlamaForCausalLM.load_weights)."""
+    (LlamaForCausalLM.load_weights); a weight in quantized alone (load_checkpoint's defer_quantized) is made from its
+    blocks where a kernel reads it in bf16."""
     if architecture not in MODEL_CLASSES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
     old = torch.get_default_dtype()
@@ -41,9 +42,10 @@ def build_model(hf_config, architecture: str, weights: dict[str, torch.Tensor], 
     # allocates the same (contiguous) tensors without it.
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.rotary.build_tables(device)
-    model.load_weights(weights)
     kernels = (cpu_kernels(backend.ops, dtype, reduced_precision_reduction, int8_activations)
                if device.type == "cpu" else None)
+    # a GGUF's layer linears loaded in blocks alone stay so where the CPU linears take blocks (use_cpu_kernels)
+    model.load_weights(weights, quantized, defer=kernels is not None and kernels.gguf is not None)
     if device.type == "cpu" and dtype != torch.float32 and getattr(backend, "ops", None) is not None:
         # the paged kernel's fp16 sums for prefill chunks (fp32 keeps fp32 sums: HF-exact)
         backend.fp16_sums = reduced_precision_reduction and bool(backend.ops.paged_attention_fp16_supported())

@@ -306,28 +306,46 @@ class LlamaForCausalLM(nn.Module):
         return decoder
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], quantized: dict[str, GGUFWeight] | None = None,
+                     defer: bool = False) -> None:
         """Take HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set exactly once. Consumes
         ``weights``: each tensor leaves the dict as it is loaded and becomes the parameter itself where it matches
         (dtype, device, contiguous), so the checkpoint's tensors and the model's are never both held (a 7B model's
-        14 GB more at load)."""
+        14 GB more at load). A weight absent from ``weights`` is made from its blocks in ``quantized`` (a GGUF
+        loaded with defer_quantized), or, with defer (the CPU linears will take the blocks: use_cpu_kernels), a
+        linear's weight whose every part is in blocks is left to them: its parameter on the meta device, made by its
+        CPULinear only if a kernel reads it."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        blocks, dtype = quantized or {}, self.embed_tokens.weight.dtype
 
-        def put(name: str, tensor: torch.Tensor) -> None:
+        def put(name: str, tensor: torch.Tensor | None) -> None:
             p = params[name]
-            if p.shape != tensor.shape:
+            if tensor is None:  # left to the blocks
+                module, _, attr = name.rpartition(".")
+                meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                setattr(self.get_submodule(module), attr, nn.Parameter(meta, requires_grad=False))
+            elif p.shape != tensor.shape:
                 raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-            if tensor.dtype == p.dtype and tensor.device == p.device and tensor.is_contiguous():
+            elif tensor.dtype == p.dtype and tensor.device == p.device and tensor.is_contiguous():
                 p.data = tensor
             else:
                 p.copy_(tensor)
             loaded.add(name)
 
         def need(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing weight {name!r}")
-            return weights.pop(name)
+            if name in weights:
+                return weights.pop(name)
+            if name in blocks:
+                return blocks[name].dequantize(dtype)
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+
+        def fused(names: list[str], weight: bool) -> torch.Tensor | None:
+            """The tensors of names, stacked; None for a weight left to its blocks."""
+            if weight and defer and all(n in blocks and n not in weights for n in names):
+                return None
+            parts = [need(n) for n in names]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
 
         put("embed_tokens.weight", need("model.embed_tokens.weight"))
         put("norm.weight", need("model.norm.weight"))
@@ -336,15 +354,16 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.shape.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for suffix in ("weight", "bias"):
+                w = suffix == "weight"
                 if f"{dst}self_attn.qkv_proj.{suffix}" in params:
-                    put(f"{dst}self_attn.qkv_proj.{suffix}", torch.cat(
-                        [need(f"{src}self_attn.{p}_proj.{suffix}") for p in "qkv"]))
+                    put(f"{dst}self_attn.qkv_proj.{suffix}",
+                        fused([f"{src}self_attn.{p}_proj.{suffix}" for p in "qkv"], w))
                 if f"{dst}mlp.gate_up_proj.{suffix}" in params:
-                    put(f"{dst}mlp.gate_up_proj.{suffix}", torch.cat(
-                        [need(f"{src}mlp.{p}_proj.{suffix}") for p in ("gate", "up")]))
+                    put(f"{dst}mlp.gate_up_proj.{suffix}",
+                        fused([f"{src}mlp.{p}_proj.{suffix}" for p in ("gate", "up")], w))
                 for name in ("self_attn.o_proj", "mlp.down_proj"):
                     if f"{dst}{name}.{suffix}" in params:
-                        put(f"{dst}{name}.{suffix}", need(f"{src}{name}.{suffix}"))
+                        put(f"{dst}{name}.{suffix}", fused([f"{src}{name}.{suffix}"], w))
             for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
                 if f"{dst}{name}.weight" in params:
                     put(f"{dst}{name}.weight", need(f"{src}{name}.weight"))

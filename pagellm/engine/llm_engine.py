@@ -62,7 +62,6 @@ def _return_freed_heap() -> None:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return
-    gc.collect()
     trim(0)
 
 

@@ -268,6 +268,11 @@ def test_mlp_takes_the_fused_gate_up(tile):
     h = torch.empty(40, 96, dtype=torch.bfloat16)
     ops.silu_and_mul(gate_up, h)
     assert torch.equal(got, mlp.down_proj(h))
+    # the tile kernels take every row count but for the streaming kernel's few rows (no dot products, fp16 copies):
+    # where they take them all, the plain weight goes (drop_unread), and the other forms serve any x
+    assert mlp.down_proj.weight.is_meta == (mlp.down_proj.tiled_min_rows == 1)
+    one = torch.randn(1, 64).bfloat16()
+    assert torch.equal(mlp.gate_up_proj(one.view(1, 1, 64)).view(1, -1), mlp.gate_up_proj(one))
 
 
 def test_bf16_stores_round_denormals_and_nan_as_torch():

@@ -12,6 +12,7 @@ from gguf import quants as gguf_quants
 
 from pagellm.model_executor.gguf_loader import _dequantize_torch
 from pagellm.model_executor.layers.cpu_kernels import load_extension
+from pagellm.model_executor.layers.linear import pack_amx
 from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight
 
 ops = load_extension()
@@ -200,12 +201,17 @@ def test_the_default_model_takes_its_blocks(gguf_llm, gguf_path):
             want = torch.cat([weights[f"model.layers.{i}.{src}.{p}_proj.weight"] for p in parts])
             assert lin.gguf is not None and lin.gguf.kind == "q4_1" and lin.weight.shape == want.shape
             covered = lin.vnni_q4 is not None and all(lin.gguf_int8)
-            assert (lin.amx_weight is None) == covered == lin.weight.is_meta == lin.gguf.qs.is_meta
-            if covered:
-                lean += 1
+            assert (lin.amx_weight is None) == covered and lin.gguf.qs.is_meta == (lin.gguf_int8 != [])
+            assert lin.weight.is_meta == (covered or lin.amx_weight is not None)  # (the packed copy serves)
+            lean += covered
+            if lin.gguf_int8:
                 assert torch.equal(ungrouped(lin.gguf_int8[0], want.shape[0]).dequantize().bfloat16(), want)
             else:
-                assert torch.equal(lin.gguf.dequantize().bfloat16(), want) and torch.equal(lin.weight, want)
+                assert torch.equal(lin.gguf.dequantize().bfloat16(), want)
+            if not lin.weight.is_meta:
+                assert torch.equal(lin.weight, want)
+            elif lin.amx_weight is not None and lin.amx_weight.dtype == torch.bfloat16:  # B-tile order (pack_amx)
+                assert torch.equal(lin.amx_weight, pack_amx(want))
     assert lean in (0, 4 * len(model.layers))
 
 
@@ -285,12 +291,21 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
     model = llm.llm_engine.model
     assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")
     assert model.fast_lm_head.gguf.kind == "q8_2"
-    for layer in model.layers:
+    from pagellm.model_executor.loader import load_checkpoint
+
+    weights = load_checkpoint(path, torch.bfloat16).weights  # (each weight dequantized whole by the loader)
+    assert torch.equal(model.fast_lm_head.gguf.dequantize().bfloat16(), weights["lm_head.weight"])
+    for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         assert [p.kind for p in a.qkv_proj.gguf.parts] == ["q4_1", "q8_2"]
         assert (a.o_proj.gguf.kind, m.gate_up_proj.gguf.kind, m.down_proj.gguf.kind) == ("u8_1", "q4_1", "q8_2")
-        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj, model.fast_lm_head):
-            assert torch.equal(lin.gguf.dequantize().bfloat16(), lin.weight)
+        for lin, parts in ((a.qkv_proj, ["self_attn.q", "self_attn.k", "self_attn.v"]), (a.o_proj, ["self_attn.o"]),
+                           (m.gate_up_proj, ["mlp.gate", "mlp.up"]), (m.down_proj, ["mlp.down"])):
+            want = torch.cat([weights[f"model.layers.{i}.{p}_proj.weight"] for p in parts])
+            # the blocks, or where the few-row int8 kernel's form replaced them (the 4-bit gate/up), that form
+            got = (lin.gguf.dequantize() if not lin.gguf.pieces[0][0].qs.is_meta else
+                   ungrouped(lin.gguf_int8[0], want.shape[0]).dequantize())
+            assert torch.equal(got.bfloat16(), want)
     prompts = [{"prompt_token_ids": [(11 * i + 5 * n) % 200 + 3 for i in range(n)]} for n in (1, 3)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     runs, decoder = [], model.decoder

@@ -93,7 +93,8 @@ from pagellm.model_executor.layers.quantized import GGUFParts, GGUFWeight
 
 logger = logging.getLogger("pagellm")
 
-AMX_MAX_ROWS = 1 << 40  # every row count: see the module docstring
+EVERY_ROW_COUNT = 1 << 40
+AMX_MAX_ROWS = EVERY_ROW_COUNT  # the tile kernels take every row count: see the module docstring
 PACKED_MAX_ROWS = 128
 # up to this many rows a GGUF weight takes the few-row kernels on its blocks; past it, without AMX, a 4-bit one its
 # int8 form (vnni_q4). On Zen 4 SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the few-row
@@ -256,12 +257,12 @@ class CPULinear(nn.Module):
         # argmax's int8 screen (enable_argmax_screen): the packed copy, and the exact pairs with their weights
         self.screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.int8_only = False  # the int8 forms alone are held (_keep_int8_forms_only)
+        self._packing = True  # (set_gguf drops the unread forms after the packing below)
         if gguf is not None:
             self.set_gguf(gguf)
-        if weight.is_meta and not self.int8_only:
-            # a weight the model left to its blocks (load_weights' defer) that a bf16 path reads after all: made from
-            # them, the values the loader would have made
+        if weight.is_meta and (self.tiled is not None or not self._plain_unread()):
+            # a weight the model left to its blocks (load_weights' defer) that a bf16 kernel reads after all, or
+            # packs: made from them, the values the loader would have made
             if gguf is None:
                 raise ValueError(f"a {tuple(weight.shape)} linear weight left to GGUF blocks, but none were given")
             weight = gguf.dequantize(weight.dtype)
@@ -276,6 +277,9 @@ class CPULinear(nn.Module):
             self.onednn_weight = pack_weight(weight)
         # the FMA kernel's scale argument and its sums (dot products or not)
         self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
+        self._packing = False
+        if gguf is not None:
+            self.drop_unread()
 
     def enable_argmax_screen(self) -> bool:
         """Lets argmax take the int8 screen (csrc/argmax_screen_cpu.cpp, argmax_screen_amx.cpp: the same index as
@@ -318,19 +322,28 @@ class CPULinear(nn.Module):
             # form, plain and silu(gate) * up alike (an intermediate size of a multiple of 16), in both layer loops;
             # so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's layers) goes
             self.amx_weight = self.tiled = self.tiled_silu_mul = None
-            if self.screen is None:  # the screen reads the bf16 weight
-                self._keep_int8_forms_only()
+        if not self._packing:
+            self.drop_unread()
         return True
 
-    def _keep_int8_forms_only(self) -> None:
-        """Drops the plain bf16 weight and the GGUF blocks where the int8 forms serve every call: each a copy no
-        kernel reads any more (for SmolLM2's layers ~200 and ~80 MB; a 7B model's 13 and 3.5 GB). Their shapes
-        stay, as meta tensors (forward's output width, the C++ loop's checks): a path that read their values would
-        fail, not compute from nothing. The model's parameter goes with the plain weight: this layer held it."""
+    def _plain_unread(self) -> bool:
+        """Whether no kernel reads the plain weight: up to GEMV_MAX_ROWS rows the GGUF kernels or a tile kernel from
+        one row, past it a tile kernel or the int8 form, and no screen (which reads it)."""
+        few = self.gguf is not None or (self.tiled is not None and self.tiled_min_rows == 1)
+        many = self.vnni_q4 is not None or (self.tiled is not None and AMX_MAX_ROWS >= EVERY_ROW_COUNT)
+        return few and many and self.screen is None and self.weight.dtype == torch.bfloat16
+
+    def drop_unread(self) -> None:
+        """Drops the forms no kernel reads: the plain weight where the others serve every row count (_plain_unread),
+        the GGUF blocks where each piece has its int8 form. Each a copy (SmolLM2's layers: ~200 and ~80 MB; a 7B
+        model's 13 and 3.5 GB). Their shapes stay, as meta tensors (forward's output width, the C++ loop's checks):
+        a path that read their values would fail, not compute from nothing. The model's parameter goes with the
+        plain weight: this layer held it. Called once a layer is set up (set_gguf, replace_linears)."""
         w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
-        self.gguf = self.gguf.shapes_only()
-        self.int8_only = True
+        if self._plain_unread() and not w.is_meta:
+            self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        if self.gguf is not None and self.gguf_int8 and all(self.gguf_int8):
+            self.gguf = self.gguf.shapes_only()
 
     def _takes_amx_q4(self, x: torch.Tensor) -> bool:
         return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS
@@ -370,11 +383,13 @@ class CPULinear(nn.Module):
                 return out
             if self.onednn_weight is not None and rows <= PACKED_MAX_ROWS:
                 return packed_linear(x, self.onednn_weight, self.bias)
-        if self.weight.is_meta:  # only the int8 forms are held (set_gguf): x as bf16 rows, which they take
+        if self.weight.is_meta:  # no plain weight (drop_unread): x as bf16 rows, which the other forms take
             n, k = self.weight.shape
             flat = x.reshape(-1, k)
             if not flat.shape[0]:
                 return x.new_empty(*x.shape[:-1], n)
+            if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == torch.bfloat16:  # (the kernels above had it)
+                raise RuntimeError(f"no kernel here for {rows} rows, and the plain weight was dropped (drop_unread)")
             return self(flat.to(torch.bfloat16).contiguous()).to(x.dtype).view(*x.shape[:-1], n)
         return F.linear(x, self.weight, self.bias)
 
@@ -508,5 +523,7 @@ def replace_linears(model: nn.Module, kernels: CPUKernels,
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, attr)
-        setattr(parent, attr, CPULinear(linear.weight, linear.bias, kernels, (gguf or {}).get(name)))
+        cpu_linear = CPULinear(linear.weight, linear.bias, kernels, (gguf or {}).get(name))
+        cpu_linear.drop_unread()
+        setattr(parent, attr, cpu_linear)
     return len(targets)

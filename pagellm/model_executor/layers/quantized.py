@@ -212,7 +212,7 @@ class GGUFWeight:
 
     def shapes_only(self) -> "GGUFWeight":
         """This weight with its quants and scales as meta tensors: their shapes, no bytes (CPULinear's
-        _keep_int8_forms_only)."""
+        drop_unread)."""
         return GGUFWeight(self.kind, self.qs.to("meta"), self.scales.to("meta"))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -3,7 +3,8 @@
 ``F.linear`` hands oneDNN a plain row-major weight, which it re-packs on every call. With a few rows of input (a
 decode step: one row per running request) the layer is a pass over its weight and that re-packing costs more
 than the multiply. So each layer keeps, next to its plain weight (for fp32, and for prefill chunks on CPUs with
-neither AMX nor AVX-512, where the two are even), one pre-packed copy, the best this CPU offers:
+neither AMX nor AVX-512, where the two are even; dropped where no kernel reads it, CPULinear.drop_unread), one
+pre-packed copy, the best this CPU offers:
   - AMX (``csrc/amx_linear_cpu.cpp``): B-tile order, for every row count (AMX_MAX_ROWS);
   - AVX-512 without AMX: the same B-tile order for the FMA kernel (``csrc/fma_linear_cpu.cpp``) above
     GEMV_MAX_ROWS rows, and the AVX512-BF16 streaming kernel (``csrc/gemv_cpu.cpp``) up to it;
@@ -220,9 +221,9 @@ def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 class CPULinear(nn.Module):
     """y = x @ weight.T + bias, by the fastest path for x's number of rows. Holds the plain weight (shared with
-    the model's parameter, not copied) and one pre-packed form of it. gguf: the weight in a GGUF file's blocks, taken
-    (set_gguf) before the packing, which its int8 forms may make unneeded: a 7B model's packed copies would be 13 GB
-    more at load."""
+    the model's parameter, not copied; a meta tensor once no kernel reads it: drop_unread) and one pre-packed form
+    of it. gguf: the weight in a GGUF file's blocks, taken (set_gguf) before the packing, which its int8 forms may
+    make unneeded: a 7B model's packed copies would be 13 GB more at load."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels,
                  gguf: GGUFWeight | GGUFParts | None = None) -> None:

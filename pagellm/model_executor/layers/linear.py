@@ -258,9 +258,8 @@ class CPULinear(nn.Module):
         # argmax's int8 screen (enable_argmax_screen): the packed copy, and the exact pairs with their weights
         self.screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.screen_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._packing = True  # (set_gguf drops the unread forms after the packing below)
-        if gguf is not None:
-            self.set_gguf(gguf)
+        if gguf is not None:  # its forms before the packing, which they may make unneeded (set_gguf)
+            self._take_gguf(gguf)
         if weight.is_meta and (self.tiled is not None or not self._plain_unread()):
             # a weight the model left to its blocks (load_weights' defer) that a bf16 kernel reads after all, or
             # packs: made from them, the values the loader would have made
@@ -268,7 +267,7 @@ class CPULinear(nn.Module):
                 raise ValueError(f"a {tuple(weight.shape)} linear weight left to GGUF blocks, but none were given")
             weight = gguf.dequantize(weight.dtype)
             self.weight = nn.Parameter(weight, requires_grad=False)
-        if self.tiled is not None:  # (set_gguf drops it where the int8 forms take every row count)
+        if self.tiled is not None:  # (_take_gguf drops it where the int8 forms take every row count)
             # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
             if self.fma is not None and kernels.fma_fp16:
                 self.amx_weight, self.w_inv = pack_fp16(weight)
@@ -278,7 +277,6 @@ class CPULinear(nn.Module):
             self.onednn_weight = pack_weight(weight)
         # the FMA kernel's scale argument and its sums (dot products or not)
         self.tiled_args = (self.w_inv, int(kernels.fma_dot)) if self.fma is not None else ()
-        self._packing = False
         if gguf is not None:
             self.drop_unread()
 
@@ -303,7 +301,15 @@ class CPULinear(nn.Module):
 
     def set_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
         """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
-        shapes match, and, a 4-bit weight with AMX, its nibbles up to AMX_Q4_MAX_ROWS; returns whether it will."""
+        shapes match, and, a 4-bit weight with AMX, its nibbles up to AMX_Q4_MAX_ROWS; returns whether it will. Then
+        drops the forms no kernel reads any more (drop_unread)."""
+        took = self._take_gguf(q)
+        if took:
+            self.drop_unread()
+        return took
+
+    def _take_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
+        """set_gguf's forms, without the drop (the constructor packs in between)."""
         if (q is None or self.kernels.gguf is None or q.shape != tuple(self.weight.shape)
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
             return False
@@ -323,8 +329,6 @@ class CPULinear(nn.Module):
             # form, plain and silu(gate) * up alike (an intermediate size of a multiple of 16), in both layer loops;
             # so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's layers) goes
             self.amx_weight = self.tiled = self.tiled_silu_mul = None
-        if not self._packing:
-            self.drop_unread()
         return True
 
     def _plain_unread(self) -> bool:

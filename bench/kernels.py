@@ -33,8 +33,8 @@ from test_gguf_linear import random_blocks  # noqa: E402  (the GGUF tests' block
 from pagellm.model_executor.layers.attention import TorchPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention  # noqa: E402
 from pagellm.model_executor.layers.cpu_kernels import load_extension  # noqa: E402
-from pagellm.model_executor.layers.linear import (CPUKernels, CPULinear, cpu_kernels, gguf_int8_form,  # noqa: E402
-                                                  pack_amx, pack_fp16, vnni_q4_form)
+from pagellm.model_executor.layers.linear import CPUKernels, CPULinear, cpu_kernels  # noqa: E402
+from pagellm.model_executor.layers.weight_forms import gguf_int8_form, pack_amx, pack_fp16, vnni_int8_form  # noqa: E402
 from pagellm.model_executor.layers.quantized import GGUFWeight  # noqa: E402
 
 
@@ -215,16 +215,16 @@ def gguf_blocks(ops) -> None:
 
 
 def int8_linears(ops) -> None:
-    """SmolLM2's 120 layer linears on random Q4_1 blocks: q4_vnni_linear (the weight rounded to int8 per output
+    """SmolLM2's 120 layer linears on random Q4_1 blocks: vnni_int8_linear (the weight rounded to int8 per output
     column, x per row but for 8 outlier channels, EngineConfig.gguf_int8_activations; what CPUs without AMX run past
     4 rows) against the tile kernels this CPU has on the dequantized bf16 weights (gate/up in their silu(gate) * up
     forms)."""
-    if not ops.q4_vnni_linear_supported():
+    if not ops.vnni_int8_linear_supported():
         return
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     ws = [GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=n + k + i)) for i, (n, k) in
           enumerate(shapes)]
-    int8 = [vnni_q4_form(w) for w in ws]
+    int8 = [vnni_int8_form(w) for w in ws]
     packed = [pack_amx(w.dequantize().bfloat16()) for w in ws]
     tiles = {}
     if ops.amx_linear_supported():
@@ -237,7 +237,7 @@ def int8_linears(ops) -> None:
     for rows in (8, 64, 256, 2048):
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         outs = [torch.empty(rows, n // 2 if n == 3072 else n, dtype=torch.bfloat16) for n, _ in shapes]
-        fs = {"int8_vnni": lambda: [ops.q4_vnni_linear(xs[w.shape[1]], *q, None, o, w.shape[0] == 3072)
+        fs = {"int8_vnni": lambda: [ops.vnni_int8_linear(xs[w.shape[1]], *q, None, o, w.shape[0] == 3072)
                                     for w, q, o in zip(ws, int8, outs)]}
         for name, (lin, silu, args) in tiles.items():
             fs[name] = lambda lin=lin, silu=silu, args=args: [

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import AMX_Q4_MAX_ROWS, GEMV_MAX_ROWS, pack_amx
+from pagellm.model_executor.layers.linear import AMX_Q4_MAX_ROWS, GEMV_MAX_ROWS
+from pagellm.model_executor.layers.weight_forms import pack_amx
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from test_gguf_linear import gguf_llm, random_blocks  # noqa: F401 (gguf_llm: a fixture)
 

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import SCREEN_PAIRS, CPULinear, cpu_kernels, pack_amx
+from pagellm.model_executor.layers.linear import SCREEN_PAIRS, CPULinear, cpu_kernels
+from pagellm.model_executor.layers.weight_forms import pack_amx
 
 ops = load_extension()
 needs_screen = pytest.mark.skipif(ops is None or not ops.argmax_screen_supported(),

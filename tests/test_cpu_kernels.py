@@ -118,7 +118,7 @@ def tile_kernel(name: str):
     fp32 FMAs, for CPUs without AMX; it runs on AMX machines too, so both are tested there), "fma_dot" (the FMA
     kernel on AVX512-BF16's dot products, AMD's default) or "fma16" (the FMA kernel on an fp16 weight,
     AVX512-FP16). pack(w) -> (packed, the arguments after out)."""
-    from pagellm.model_executor.layers.linear import pack_amx, pack_fp16
+    from pagellm.model_executor.layers.weight_forms import pack_amx, pack_fp16
 
     op = "fma" if name.startswith("fma") else name
     supported = {"fma16": ops.fma_linear_fp16_supported, "fma_dot": ops.fma_linear_dot_supported}.get(
@@ -310,7 +310,7 @@ def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
 def test_amx_linear_argmax_is_the_argmax_of_amx_linear(threads, rows, n, k):
     # the greedy LM head's kernel: torch.argmax of what amx_linear stores (bf16), across column blocks split between
     # threads (either end) and row chunks (300 rows), ties, NaN and infinities included
-    from pagellm.model_executor.layers.linear import pack_amx
+    from pagellm.model_executor.layers.weight_forms import pack_amx
 
     torch.manual_seed(rows + n)
     w, x = torch.randn(n, k).bfloat16(), torch.randn(rows, k).bfloat16()
@@ -345,7 +345,7 @@ def test_amx_linear_row_major_order_gives_the_column_major_bits(threads, rows, k
     # row's sums run in the same order as in a small call's column-major pass, so every output row must be the same
     # bits as the same row computed in a call of a few rows: plain (bias, a half-full last panel, strided x and y),
     # silu_mul, and the argmax head
-    from pagellm.model_executor.layers.linear import pack_amx
+    from pagellm.model_executor.layers.weight_forms import pack_amx
 
     torch.manual_seed(rows)
     x = torch.randn(rows, k + 64).bfloat16()[:, 32:32 + k]

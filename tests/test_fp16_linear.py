@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import pack_amx, pack_fp16
+from pagellm.model_executor.layers.weight_forms import pack_amx, pack_fp16
 from tests.conftest import teacher_forced_agreement
 
 ops = load_extension()
@@ -140,7 +140,7 @@ def test_engine_switch_and_agreement_with_fp32(gguf_path, fp32_reference):
     assert "fma_fp16" not in off.llm_engine.model.linear_kernels
     assert not off.llm_engine.model.backend.fp16_sums
     del off
-    # (without the int8 path of CPUs with AVX512-VNNI but no AMX, whose agreement tests/test_vnni_q4_linear.py holds)
+    # (without the int8 path of CPUs with AVX512-VNNI but no AMX, whose agreement tests/test_vnni_int8_linear.py holds)
     llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", gguf_int8_activations=False)
     kernels = llm.llm_engine.model.linear_kernels
     assert ("fma_fp16" in kernels) == (ops.fma_linear_fp16_supported() and not ops.amx_linear_supported())

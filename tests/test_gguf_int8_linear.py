@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels, gguf_int8_form
+from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
+from pagellm.model_executor.layers.weight_forms import gguf_int8_form
 from pagellm.model_executor.layers.quantized import GGUFWeight
 from test_gguf_linear import random_blocks
 

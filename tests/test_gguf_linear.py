@@ -12,8 +12,9 @@ from gguf import quants as gguf_quants
 
 from pagellm.model_executor.gguf_loader import _dequantize_torch
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import pack_amx
-from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight
+from pagellm.model_executor.layers.linear import VNNI_INT8_MAX_EXCESS
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight, pack_vnni_int8
+from pagellm.model_executor.layers.weight_forms import pack_amx
 
 ops = load_extension()
 needs_kernel = pytest.mark.skipif(not ops.gguf_linear_supported(), reason="CPU without AVX-512 or AVX2 with FMA")
@@ -202,7 +203,7 @@ def test_the_default_model_takes_its_blocks(gguf_llm, gguf_path):
             src = name.split(".")[0]
             want = torch.cat([weights[f"model.layers.{i}.{src}.{p}_proj.weight"] for p in parts])
             assert lin.gguf is not None and lin.gguf.kind == "q4_1" and lin.weight.shape == want.shape
-            covered = lin.vnni_q4 is not None and all(lin.gguf_int8)
+            covered = lin.vnni_int8 is not None and all(lin.gguf_int8)
             assert (lin.amx_weight is None) == covered and lin.gguf.qs.is_meta == (lin.gguf_int8 != [])
             assert lin.weight.is_meta == (covered or lin.amx_weight is not None)  # (the packed copy serves)
             lean += covered
@@ -308,6 +309,24 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
             got = (lin.gguf.dequantize() if not lin.gguf.pieces[0][0].qs.is_meta else
                    ungrouped(lin.gguf_int8[0], want.shape[0]).dequantize())
             assert torch.equal(got.bfloat16(), want)
+    # without AMX, with AVX512-VNNI: each layer linear whose int8 form passes the guard (4- to 6-bit, mixed parts
+    # too) takes it past 4 rows and drops its packed copy; the LM head keeps its exact logits
+    int8 = model.fast_lm_head.kernels.vnni_int8 is not None
+    taken = 0
+    for i, layer in enumerate(model.layers):
+        for name, parts in (("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", ["o"]),
+                            ("mlp.gate_up_proj", ["gate", "up"]), ("mlp.down_proj", ["down"])):
+            lin, src = layer.get_submodule(name), name.split(".")[0]
+            keys = [hf_to_gguf_name(f"model.layers.{i}.{src}.{p}_proj.weight") for p in parts]
+            q = GGUFWeight.cat([GGUFWeight.from_blocks(raw[k][0], torch.from_numpy(raw[k][1])) for k in keys])
+            passes = int8 and pack_vnni_int8(q, VNNI_INT8_MAX_EXCESS) is not None
+            assert (lin.vnni_int8 is not None) == passes, (i, name)
+            if passes:
+                assert lin.amx_weight is None and lin.weight.is_meta
+                assert lin.gguf.pieces[0][0].qs.is_meta == (lin.gguf_int8 != [] and all(lin.gguf_int8))
+            taken += passes
+    assert model.fast_lm_head.vnni_int8 is None
+    assert taken > 0 or not int8
     prompts = [{"prompt_token_ids": [(11 * i + 5 * n) % 200 + 3 for i in range(n)]} for n in (1, 3)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     runs, decoder = [], model.decoder

@@ -198,7 +198,7 @@ class LLMEngine:
             self.kv_manager.pool.free(blocks)
 
     def choose_int8_outliers(self) -> None:
-        """The int8 linears (gguf_int8_activations: 4-bit GGUF weights, past GEMV_MAX_ROWS rows on CPUs with
+        """The int8 linears (gguf_int8_activations: GGUF weights, past GEMV_MAX_ROWS rows on CPUs with
         AVX512-VNNI but no AMX, up to it on CPUs with AVX512-VNNI or AVX2) keep a few input channels per weight out
         of x's int8 values, chosen on each kernel's first call. Make those calls a fixed prompt's, now: every engine
         of a model then takes the same channels, whatever its first requests (a prompt prefilled in chunks or
@@ -206,7 +206,7 @@ class LLMEngine:
         from pagellm.model_executor.layers.linear import GEMV_MAX_ROWS, CPULinear
 
         lins = [m for m in self.model.modules() if isinstance(m, CPULinear)]
-        many = any(m.vnni_q4 is not None for m in lins)
+        many = any(m.vnni_int8 is not None for m in lins)
         few = any(f is not None for m in lins for f in m.gguf_int8)
         n = min(64, self.config.max_model_len, self.kv_manager.pool.num_free_blocks * self.config.block_size)
         if not (many or few) or n < 2:

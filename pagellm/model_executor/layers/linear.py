@@ -66,13 +66,16 @@ the AMX-less VM with the default model's Q4_1 / Q8_0).
 With AMX, a 4-bit weight (Q4_0, Q4_1, Q4_K) also takes the tile kernel on its nibbles from there up to
 AMX_Q4_MAX_ROWS rows (``csrc/amx_q4_panels.h``, ``pack_amx_q4``): each B tile rebuilt in bf16 just before its
 multiplies, bit for bit amx_linear's output on the loaded bf16 weight, from 6 bits a weight read instead of 16.
-Without AMX but with AVX512-VNNI, a 4-bit weight takes every row count past GEMV_MAX_ROWS on int8 dot products
-(``csrc/q4_vnni_linear_cpu.cpp``, ``vnni_q4_form``; EngineConfig.gguf_int8_activations): the weight's values
-rounded to int8 per output column at load, x to int8 per row at each call (vLLM's int8 linears: per-channel
-weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels taken exactly; twice the dot
-product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_Q4_MAX_K keep the bf16 paths,
-as do weights whose int8 form would add, in some column, over VNNI_Q4_MAX_EXCESS of the 4-bit rounding's own
-squared error (one outlying value makes its column's int8 steps coarse).
+Without AMX but with AVX512-VNNI, a GGUF layer weight takes every row count past GEMV_MAX_ROWS on int8 dot products
+(``csrc/vnni_int8_linear_cpu.cpp``, ``weight_forms.vnni_int8_form``; EngineConfig.gguf_int8_activations): the
+weight's values rounded to int8 per output column at load, x to int8 per row at each call (vLLM's int8 linears:
+per-channel weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels taken exactly; twice the
+dot product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_INT8_MAX_K keep the bf16
+paths, as do weights whose int8 form would add, in some column, over VNNI_INT8_MAX_EXCESS of the file's own
+rounding's squared error: one outlying value makes its column's int8 steps coarse, and the finer a file's steps the
+less one step per column can follow them. SmolLM2's Q4_1 weights pass (worst column 0.36); re-quantized by hand,
+its worst columns would be 0.10-0.58 of Q5_0's error, 0.20-1.65 of Q5_1's, 0.68-3.9 of a Q6_K-like rounding's (most
+layers over the limit; ``python bench/int8_excess.py``), and Q8_0's is over 1 by construction.
 Up to GEMV_MAX_ROWS rows, on CPUs with AVX512-VNNI or AVX2, a 4-bit weight's pieces take the kernel on their
 nibbles with x rounded to int8 per 16 values (``csrc/gguf_int8_linear_cpu.cpp``, ``gguf_int8_form``; the same
 knob), but for GGUF_INT8_OUTLIER_CHANNELS channels taken exactly: turning the blocks into fp32 in registers made
@@ -82,7 +85,6 @@ the exact kernel compute-bound at one row (``python bench/kernels.py``'s GGUF li
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,16 +93,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.model_executor.layers.quantized import GGUFParts, GGUFWeight
+from pagellm.model_executor.layers.weight_forms import (gguf_int8_form, pack_amx, pack_fp16, pack_weight, packed_linear,
+                                                        vnni_int8_form)
 
 logger = logging.getLogger("pagellm")
 
 EVERY_ROW_COUNT = 1 << 40
 AMX_MAX_ROWS = EVERY_ROW_COUNT  # the tile kernels take every row count: see the module docstring
 PACKED_MAX_ROWS = 128
-# up to this many rows a GGUF weight takes the few-row kernels on its blocks; past it, without AMX, a 4-bit one its
-# int8 form (vnni_q4). On Zen 4 SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the few-row
-# int8 kernel against 5.2-5.4 on the int8 form (7.0-7.4 before its bytes were regrouped), at 1 row 3.1-3.4 against
-# 4.5-5.1 (docs/performance-log.md)
+# up to this many rows a GGUF weight takes the few-row kernels on its blocks; past it, without AMX, its int8 form
+# where it has one (vnni_int8). On Zen 4 SmolLM2's 120 layer linears on two threads at 4 rows take 4.6-4.7 ms on the
+# few-row int8 kernel against 5.2-5.4 on the int8 form (7.0-7.4 before its bytes were regrouped), at 1 row 3.1-3.4
+# against 4.5-5.1 (docs/performance-log.md)
 GEMV_MAX_ROWS = 4
 # a greedy LM head with GGUF blocks takes the int8 screen (argmax) from this many rows without AMX: its int8 copy
 # streams as many bytes as a Q8_0 head's blocks, and the few-row kernel's cost grows with the rows (Zen 4, SmolLM2's
@@ -108,12 +112,10 @@ GEMV_MAX_ROWS = 4
 # 1.3-1.8 at 3, 1.0-1.3 against 1.7-2.2 at 4)
 SCREEN_MIN_ROWS = 3
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
-INT8_OUTLIER_CHANNELS = 8  # x's channels the int8 kernel keeps out of its int8 rows, per weight (vnni_q4_form)
-GGUF_INT8_OUTLIER_CHANNELS = 8  # and the few-row int8 kernel (gguf_int8_form)
-VNNI_Q4_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
-# a weight whose int8 form adds, in some output column, over half the 4-bit rounding's own squared error keeps the
-# bf16 paths (GGUFWeight.pack_vnni_q4's excess; the default model's worst column: 0.36, its weights 0.009-0.016)
-VNNI_Q4_MAX_EXCESS = 0.5
+VNNI_INT8_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
+# a weight whose int8 form adds, in some output column, over half the file's own rounding's squared error keeps the
+# bf16 paths (quantized.pack_vnni_int8's excess; the default model's worst column: 0.36, its weights 0.009-0.016)
+VNNI_INT8_MAX_EXCESS = 0.5
 SCREEN_PAIRS = 16  # pairs of x's dimensions the LM head's int8 screen sums exactly (CPULinear._exact_pairs)
 SCREEN_MAX_K = 32768  # the screen's int32 sums hold K products of at most 255 x 127
 
@@ -137,8 +139,8 @@ class CPUKernels:
     screen_pack: Callable | None = None
     screen_amx: Callable | None = None  # torch.ops.pagellm.argmax_screen_amx (with amx and AMX-INT8): the same
     amx_q4: Callable | None = None  # torch.ops.pagellm.amx_q4_linear (with amx and gguf): 4-bit weights' nibbles
-    # torch.ops.pagellm.q4_vnni_linear (with fma, gguf and AVX512-VNNI): 4-bit weights on int8 dot products
-    vnni_q4: Callable | None = None
+    # torch.ops.pagellm.vnni_int8_linear (with fma, gguf and AVX512-VNNI): GGUF weights on int8 dot products
+    vnni_int8: Callable | None = None
     # torch.ops.pagellm.gguf_int8_linear (with gguf, AVX512-VNNI or AVX2): 4-bit weights up to GEMV_MAX_ROWS rows
     # with x rounded to int8 per 16 values
     gguf_int8: Callable | None = None
@@ -150,73 +152,6 @@ class CPUKernels:
         tile = "amx" if self.amx else fma if self.fma else None
         return "+".join(n for n in ("gemv" if self.gemv else None, tile,
                                     "onednn_packed" if self.onednn_packing else None) if n) or "torch"
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def pack_amx(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), K/32, 16, 16, 2]: element [c, k, r, n, e] = weight[16c + n, 32k + 2r + e]
-    (columns past N are zero): each 16-column x 32-deep slice is one AMX B tile, one contiguous KiB. A 16-bit
-    weight moves as 32-bit pairs (one permuted copy of int32s: about half the time of moving 16-bit elements,
-    ~0.1 s for a TinyLlama gate/up)."""
-    n, k = weight.shape
-    w = weight.detach()
-    if n % 16:
-        w = torch.cat([w, w.new_zeros(-(-n // 16) * 16 - n, k)])
-    if w.element_size() != 2:
-        return w.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    pairs = w.contiguous().view(torch.int32).view(-1, 16, k // 32, 16).permute(0, 2, 3, 1).contiguous()
-    return pairs.view(weight.dtype).view(-1, k // 32, 16, 16, 2)
-
-
-def vnni_q4_form(q: GGUFWeight, outliers: int = INT8_OUTLIER_CHANNELS,
-                 max_excess: float = math.inf) -> tuple[torch.Tensor, ...] | None:
-    """q4_vnni_linear's operands for a q4_1 weight: its int8 values and steps (``GGUFWeight.pack_vnni_q4``), and room
-    for ``outliers`` channels kept out of x's int8 values (int32 [P], -1 until the kernel's first call chooses
-    them) with the weight's values there (fp32 [P, ceil(N/16) * 16]). None where the int8 form's excess error in
-    some column is over max_excess."""
-    q8, scales, excess = q.pack_vnni_q4()
-    if excess > max_excess:
-        return None
-    p = min(outliers, q.shape[1])
-    return q8, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(p, q8.shape[0] * 16)
-
-
-def gguf_int8_form(q: GGUFWeight, outliers: int | None = None) -> tuple[torch.Tensor, ...]:
-    """gguf_int8_linear's operands for a q4_1 weight: its blocks' bytes and steps with 16 output columns side by
-    side (uint8 [ceil(N/16), K/32, 4, 64]: row j of a block holds at byte 4 c + e column c's block byte 4 j + e;
-    fp32 [ceil(N/16), K/32, 2, 16]: the columns' d, then their m; columns past N zero), the outlier channels (int32
-    [P], -1 until the kernel's first call chooses them; P: outliers, else GGUF_INT8_OUTLIER_CHANNELS) and room for
-    the weight's values there (fp32 [N, P])."""
-    n, k = q.shape
-    n16, kb = -(-n // 16), k // 32
-    qs, scales = q.qs.view(n, kb, 16), q.scales.view(n, kb, 2)
-    if n16 * 16 != n:
-        qs = torch.cat([qs, qs.new_zeros(n16 * 16 - n, kb, 16)])
-        scales = torch.cat([scales, scales.new_zeros(n16 * 16 - n, kb, 2)])
-    qs = qs.view(n16, 16, kb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(n16, kb, 4, 64)
-    scales = scales.view(n16, 16, kb, 2).permute(0, 2, 3, 1).contiguous()
-    p = min(GGUF_INT8_OUTLIER_CHANNELS if outliers is None else outliers, k)
-    return qs, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(n, p)
-
-
-def pack_fp16(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The FMA kernel's fp16 weight: ``pack_amx`` of weight x 2^-e in fp16, the power of two putting the largest
-    |value| in [0.5, 1) (exact for bf16 values from 2^-14 of the largest up, so no overflow and little underflow),
-    and 2^e, by which the kernel scales its result back. -> (packed, 2^e)."""
-    top = weight.detach().abs().max().item() if weight.numel() else 0.0
-    e = min(max(math.frexp(top)[1], -126), 126) if 0.0 < top < math.inf else 0
-    # bf16 times a power of two is exact in bf16 (fp32's exponent range), so no fp32 copy is needed before the one
-    # rounding to fp16; an fp16 weight goes through fp32 (scaled up, it could overflow fp16)
-    scaled = weight.detach() * 2.0 ** -e if weight.dtype == torch.bfloat16 else weight.detach().float() * 2.0 ** -e
-    return pack_amx(scaled.half()), 2.0 ** e
 
 
 class CPULinear(nn.Module):
@@ -234,9 +169,9 @@ class CPULinear(nn.Module):
         self.gguf: GGUFWeight | GGUFParts | None = None
         # a 4-bit gguf's nibbles and scales for the AMX kernel from GEMV_MAX_ROWS + 1 to AMX_Q4_MAX_ROWS rows
         self.amx_q4: tuple[torch.Tensor, torch.Tensor] | None = None
-        # without AMX, a 4-bit gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows,
+        # without AMX, a gguf's int8 form for the int8 dot-product kernel past GEMV_MAX_ROWS rows (where fine enough),
         # with its outlier channels and the weight's values there (chosen by the kernel's first call)
-        self.vnni_q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.vnni_int8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per piece of gguf: a 4-bit piece's form for the int8 kernel up to GEMV_MAX_ROWS rows (gguf_int8_form: its
         # regrouped blocks, outlier channels, -1 until its first call chooses them, and its values there), None for
         # the others
@@ -299,16 +234,18 @@ class CPULinear(nn.Module):
         self.screen = (q, sum128, info)
         return True
 
-    def set_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
+    def set_gguf(self, q: GGUFWeight | GGUFParts | None, int8_form: bool = True) -> bool:
         """Use q (this weight in a GGUF file's blocks) for up to GEMV_MAX_ROWS rows, where the kernel exists and the
-        shapes match, and, a 4-bit weight with AMX, its nibbles up to AMX_Q4_MAX_ROWS; returns whether it will. Then
-        drops the forms no kernel reads any more (drop_unread)."""
-        took = self._take_gguf(q)
+        shapes match, and, a 4-bit weight with AMX, its nibbles up to AMX_Q4_MAX_ROWS, or without AMX (int8_form)
+        its int8 form past GEMV_MAX_ROWS; returns whether it will. Then drops the forms no kernel reads any more
+        (drop_unread). The model's LM head passes int8_form=False: its int8 form would round every logit the
+        sampler and the logprobs read."""
+        took = self._take_gguf(q, int8_form)
         if took:
             self.drop_unread()
         return took
 
-    def _take_gguf(self, q: GGUFWeight | GGUFParts | None) -> bool:
+    def _take_gguf(self, q: GGUFWeight | GGUFParts | None, int8_form: bool = True) -> bool:
         """set_gguf's forms, without the drop (the constructor packs in between)."""
         if (q is None or self.kernels.gguf is None or q.shape != tuple(self.weight.shape)
                 or self.weight.dtype != torch.bfloat16 or (self.bias is not None and not self.bias.is_contiguous())):
@@ -316,18 +253,20 @@ class CPULinear(nn.Module):
         self.gguf = q
         if self.kernels.gguf_int8 is not None:
             self.gguf_int8 = [gguf_int8_form(piece) if piece.kind == "q4_1" else None for piece, _ in q.pieces]
-        if isinstance(q, GGUFWeight) and q.kind == "q4_1":
-            if self.amx is not None and self.kernels.amx_q4 is not None:
-                self.amx_q4 = q.pack_amx_q4()
-            elif self.fma is not None and self.kernels.vnni_q4 is not None and q.shape[1] <= VNNI_Q4_MAX_K:
-                self.vnni_q4 = vnni_q4_form(q, max_excess=VNNI_Q4_MAX_EXCESS)
-                if self.vnni_q4 is None:
-                    logger.info("a %d x %d 4-bit weight keeps the bf16 paths: its int8 form is too coarse in some "
-                                "column (over %.2f of the 4-bit rounding's own error)", *q.shape, VNNI_Q4_MAX_EXCESS)
-        if self.vnni_q4 is not None and all(self.gguf_int8) and self.weight.shape[0] % 32 == 0:
-            # every bf16 row count now takes an int8 kernel: up to GEMV_MAX_ROWS the few-row one, past it the int8
-            # form, plain and silu(gate) * up alike (an intermediate size of a multiple of 16), in both layer loops;
-            # so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's layers) goes
+        if isinstance(q, GGUFWeight) and q.kind == "q4_1" and self.amx is not None and self.kernels.amx_q4 is not None:
+            self.amx_q4 = q.pack_amx_q4()
+        elif (int8_form and self.fma is not None and self.kernels.vnni_int8 is not None
+              and q.shape[1] <= VNNI_INT8_MAX_K):
+            self.vnni_int8 = vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS)
+            if self.vnni_int8 is None:
+                logger.debug("a %d x %d GGUF weight (%s) keeps the bf16 paths: its int8 form is too coarse in some "
+                             "column (over %.2f of the file's own rounding error)", *q.shape,
+                             "+".join(p.kind for p, _ in q.pieces), VNNI_INT8_MAX_EXCESS)
+        if self.vnni_int8 is not None and self.weight.shape[0] % 32 == 0:
+            # every bf16 row count now takes a kernel on the file's weights: up to GEMV_MAX_ROWS the few-row ones on
+            # the blocks, past it the int8 form, plain and silu(gate) * up alike (an intermediate size of a multiple
+            # of 16), in both layer loops; so the tile kernels' packed copy (2 bytes a weight, ~200 MB for SmolLM2's
+            # layers) goes
             self.amx_weight = self.tiled = self.tiled_silu_mul = None
         return True
 
@@ -335,7 +274,7 @@ class CPULinear(nn.Module):
         """Whether no kernel reads the plain weight: up to GEMV_MAX_ROWS rows the GGUF kernels or a tile kernel from
         one row, past it a tile kernel or the int8 form, and no screen (which reads it)."""
         few = self.gguf is not None or (self.tiled is not None and self.tiled_min_rows == 1)
-        many = self.vnni_q4 is not None or (self.tiled is not None and AMX_MAX_ROWS >= EVERY_ROW_COUNT)
+        many = self.vnni_int8 is not None or (self.tiled is not None and AMX_MAX_ROWS >= EVERY_ROW_COUNT)
         return few and many and self.screen is None and self.weight.dtype == torch.bfloat16
 
     def drop_unread(self) -> None:
@@ -354,8 +293,8 @@ class CPULinear(nn.Module):
         return (self.amx_q4 is not None and GEMV_MAX_ROWS < x.shape[0] <= AMX_Q4_MAX_ROWS
                 and x.dtype == torch.bfloat16)
 
-    def _takes_vnni_q4(self, x: torch.Tensor) -> bool:
-        return self.vnni_q4 is not None and GEMV_MAX_ROWS < x.shape[0] and x.dtype == torch.bfloat16
+    def _takes_vnni_int8(self, x: torch.Tensor) -> bool:
+        return self.vnni_int8 is not None and GEMV_MAX_ROWS < x.shape[0] and x.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -374,9 +313,9 @@ class CPULinear(nn.Module):
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
                 self.kernels.amx_q4(x, *self.amx_q4, self.bias, out, False)
                 return out
-            if self._takes_vnni_q4(x):
+            if self._takes_vnni_int8(x):
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
-                self.kernels.vnni_q4(x, *self.vnni_q4, self.bias, out, False)
+                self.kernels.vnni_int8(x, *self.vnni_int8, self.bias, out, False)
                 return out
             if self.tiled is not None and self.tiled_min_rows <= rows <= AMX_MAX_ROWS:
                 out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
@@ -450,9 +389,9 @@ class CPULinear(nn.Module):
         rows, inter = x.shape[0], self.weight.shape[0] // 2
         if self.gguf is not None and rows <= GEMV_MAX_ROWS:
             return None  # forward's GGUF kernel, then silu_and_mul
-        if self._takes_vnni_q4(x) and x.dim() == 2 and x.stride(-1) == 1 and inter % 16 == 0:
+        if self._takes_vnni_int8(x) and x.dim() == 2 and x.stride(-1) == 1 and inter % 16 == 0:
             out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-            self.kernels.vnni_q4(x, *self.vnni_q4, self.bias, out, True)
+            self.kernels.vnni_int8(x, *self.vnni_int8, self.bias, out, True)
             return out
         if (self.tiled_silu_mul is None or x.dim() != 2 or x.stride(-1) != 1
                 or not self.tiled_min_rows <= rows <= AMX_MAX_ROWS or inter % 16):
@@ -483,11 +422,11 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
                 int8_activations: bool = True) -> CPUKernels | None:
     """What this CPU and build offer for ``dtype`` (None: nothing better than F.linear, e.g. fp32).
     reduced_precision_reduction: the FMA kernel may sum in fp16 (EngineConfig.reduced_precision_reduction).
-    int8_activations: 4-bit GGUF weights may take int8 dot products (EngineConfig.gguf_int8_activations)."""
+    int8_activations: GGUF weights may take int8 dot products (EngineConfig.gguf_int8_activations)."""
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
-    amx_q4 = vnni_q4 = gguf_int8 = None
+    amx_q4 = vnni_int8 = gguf_int8 = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
@@ -507,14 +446,14 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
                 fma_dot = not fma_fp16 and ops.fma_linear_dot_default()
                 if ops.argmax_screen_supported():
                     screen, screen_pack = ops.argmax_screen.default, ops.argmax_screen_pack.default
-                if gguf and int8_activations and ops.q4_vnni_linear_supported():
-                    vnni_q4 = ops.q4_vnni_linear.default
+                if gguf and int8_activations and ops.vnni_int8_linear_supported():
+                    vnni_int8 = ops.vnni_int8_linear.default
             gemv = ops.small_m_linear.default if ops.small_m_linear_supported() else None
         except (RuntimeError, AttributeError) as e:
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack, screen_amx, amx_q4, vnni_q4, gguf_int8)
+                         screen, screen_pack, screen_amx, amx_q4, vnni_int8, gguf_int8)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

@@ -24,15 +24,19 @@ layout        qs per 32 weights                          scales (fp32) per 32   
 
 Scales are fp32 so the kernel broadcasts them from memory. Bits per weight as read: Q4_x and Q4_K 6, Q8_0 and
 Q5_0 9, Q5_1 / Q5_K / Q6_K 10, against bf16's 16.
+
+``pack_vnni_int8`` makes a weight of any layout (or fused parts of several) the int8 form of the many-row kernel on
+CPUs without AMX, and measures how much coarser than the file's own steps that form is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# fp32 values dequantize and pack_vnni_q4 make at a time (4 MB)
+# fp32 values dequantize and pack_vnni_int8 make at a time (4 MB)
 DEQUANT_FLOATS = 1 << 20
 # GGUF type name -> (weights a block, bytes a block) for the types kept as quants
 GGUF_BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]]
@@ -173,43 +177,6 @@ class GGUFWeight:
         q4 = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
         return q4, self._tile_scales()
 
-    def pack_vnni_q4(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """A q4_1 weight as the int8 dot-product kernel takes it (``csrc/q4_vnni_linear_cpu.cpp``): each output
-        column's exact values w = d q + m rounded to int8 steps of s = max|w| / 127 over the column (nearest, ties
-        to even; at most s / 2 off), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e of row j of block b holding
-        column n's value at depth 32 b + 4 j + e (one VPDPBUSD operand); fp32 [ceil(N/16), 2, 16]: the 16 columns'
-        s, then the bits of their int32 offsets, -128 times the column's sum of int8 values. Columns past N:
-        zeros. Third: the worst column's excess, the squared error the int8 rounding adds over the column divided by
-        the 4-bit rounding's own (d^2 / 12 a weight, d its block's step): a guard against a column whose one
-        outlying value makes s much coarser than its blocks' steps (SmolLM2-135M: 0.009-0.016 over whole weights,
-        at most 0.36 in one column). Made a few MB of fp32 at a time (see dequantize)."""
-        if self.kind != "q4_1":
-            raise ValueError(f"the 4-bit kernels take the q4_1 layout, not {self.kind}")
-        n, kc = self.qs.shape[0], self.qs.shape[1]
-        tiles = -(-n // 16)
-        packed = torch.empty(tiles, kc, 8, 64, dtype=torch.int8)
-        out = torch.empty(tiles, 2, 16, dtype=torch.float32)
-        excess = 0.0
-        chunk = max(1, DEQUANT_FLOATS // (16 * kc * 32))  # tiles a chunk
-        for t0 in range(0, tiles, chunk):
-            t1 = min(tiles, t0 + chunk)
-            r0, r1 = 16 * t0, min(n, 16 * t1)  # the chunk's real columns (at least one)
-            real = r1 - r0
-            w = torch.zeros((t1 - t0) * 16, kc * 32)
-            w[:real] = self._dequantize_rows(r0, r1)
-            step = w.abs().amax(-1, keepdim=True) / 127
-            inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-            steps = w.mul_(inv)  # w in steps, in place
-            w8f = torch.round(steps)
-            added = steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, 0].square()
-            own = self.scales[r0:r1, :, 0].square().sum(-1) * (32 / 12)
-            excess = max(excess, torch.where(added > 0, added / own, torch.zeros_like(added)).max().item())
-            w8 = w8f.clamp_(-127, 127).to(torch.int8)
-            out[t0:t1, 0] = step.view(t1 - t0, 16)
-            out[t0:t1, 1].view(torch.int32).copy_((-128 * w8.sum(-1, dtype=torch.int32)).view(t1 - t0, 16))
-            packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
-        return packed, out, excess
-
     def shapes_only(self) -> "GGUFWeight":
         """This weight with its quants and scales as meta tensors: their shapes, no bytes (CPULinear's
         drop_unread)."""
@@ -218,7 +185,7 @@ class GGUFWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in dtype: each the fp32 value the kernel computes (and ``gguf.quants.dequantize``), rounded once
         to dtype. Made DEQUANT_FLOATS values at a time: a fresh GB-sized fp32 temporary costs more in page faults
-        than in arithmetic (a 1.1B-parameter Q4_1 file's engine start-up, with pack_vnni_q4 likewise: ~8 against
+        than in arithmetic (a 1.1B-parameter Q4_1 file's engine start-up, with pack_vnni_int8 likewise: ~8 against
         23-91 s on Zen 4, 2026-12-06)."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=dtype)
@@ -239,6 +206,15 @@ class GGUFWeight:
         else:
             w = (qs.float().unflatten(-1, (2, 16)) * scales.unsqueeze(-1)).flatten(-2)
         return w.reshape(r1 - r0, self.shape[1])
+
+    def _rounding_error_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1)'s squared error from the file's own rounding, as for a value rounded to the nearest of
+        steps d (d^2 / 12 a weight), summed over each row: fp32 [r1 - r0]. Every layout's first scale is its step
+        (Q6_K's two, one per 16 weights)."""
+        s = self.scales[r0:r1]
+        if self.kind == "q8_2":
+            return s.square().sum((-2, -1)) * (16 / 12)
+        return s[..., 0].square().sum(-1) * (32 / 12)
 
 
 @dataclass
@@ -265,3 +241,64 @@ class GGUFParts:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def _rows(self, r0: int, r1: int, of: str) -> torch.Tensor:
+        """Rows [r0, r1) of the parts' method ``of`` (_dequantize_rows, _rounding_error_rows), across parts."""
+        out, first = [], 0
+        for p in self.parts:
+            n = p.shape[0]
+            a, b = max(r0, first), min(r1, first + n)
+            if a < b:
+                out.append(getattr(p, of)(a - first, b - first))
+            first += n
+        return torch.cat(out)
+
+    def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
+        return self._rows(r0, r1, "_dequantize_rows")
+
+    def _rounding_error_rows(self, r0: int, r1: int) -> torch.Tensor:
+        return self._rows(r0, r1, "_rounding_error_rows")
+
+
+def pack_vnni_int8(q: GGUFWeight | GGUFParts,
+                   max_excess: float = math.inf) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A GGUF weight of any layout (or a fused one of mixed layouts) as the int8 dot-product kernel takes it
+    (``csrc/vnni_int8_linear_cpu.cpp``): each output column's exact values rounded to int8 steps of s = max|w| /
+    127 over the column (nearest, ties to even; at most s / 2 off), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e
+    of row j of block b holding column n's value at depth 32 b + 4 j + e (one VPDPBUSD operand); fp32
+    [ceil(N/16), 2, 16]: the 16 columns' s, then the bits of their int32 offsets, -128 times the column's sum of
+    int8 values. Columns past N: zeros. Third: the worst column's excess, the squared error the int8 rounding
+    adds over the column divided by the file's own rounding's (``_rounding_error_rows``): a guard against a
+    column whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016
+    over whole weights, at most 0.36 in one column), and against a file whose own steps are finer than any one
+    step per column can follow (Q8_0's 127 per 32 weights: always over 1). None as soon as a column's excess is
+    over max_excess. Made a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
+    n, k = q.shape
+    kc = k // 32
+    tiles = -(-n // 16)
+    packed = torch.empty(tiles, kc, 8, 64, dtype=torch.int8)
+    out = torch.empty(tiles, 2, 16, dtype=torch.float32)
+    excess = 0.0
+    chunk = max(1, DEQUANT_FLOATS // (16 * k))  # tiles a chunk
+    t0, size = 0, 1  # one tile first: a weight whose steps are too fine for the form (Q8_0) is told at once
+    while t0 < tiles:
+        t1 = min(tiles, t0 + size)
+        r0, r1 = 16 * t0, min(n, 16 * t1)  # the chunk's real columns (at least one)
+        real = r1 - r0
+        w = torch.zeros((t1 - t0) * 16, k)
+        w[:real] = q._dequantize_rows(r0, r1)
+        step = w.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+        steps = w.mul_(inv)  # w in steps, in place
+        w8f = torch.round(steps)
+        added = steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, 0].square()
+        own = q._rounding_error_rows(r0, r1)
+        excess = max(excess, torch.where(added > 0, added / own, torch.zeros_like(added)).max().item())
+        if excess > max_excess:
+            return None
+        w8 = w8f.clamp_(-127, 127).to(torch.int8)
+        out[t0:t1, 0] = step.view(t1 - t0, 16)
+        out[t0:t1, 1].view(torch.int32).copy_((-128 * w8.sum(-1, dtype=torch.int32)).view(t1 - t0, 16))
+        packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
+        t0, size = t1, chunk
+    return packed, out, excess

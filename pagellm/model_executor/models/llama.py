@@ -247,9 +247,9 @@ class LlamaForCausalLM(nn.Module):
         if quantized:
             head = quantized.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
             lins = [m for m in self.layers.modules() if isinstance(m, CPULinear)]
-            if self.fast_lm_head.set_gguf(head) | any(m.gguf is not None for m in lins):
+            if self.fast_lm_head.set_gguf(head, int8_form=False) | any(m.gguf is not None for m in lins):
                 nibbles = "+amx_q4" if any(m.amx_q4 is not None for m in lins) else ""
-                int8 = "+vnni_q4" if any(m.vnni_q4 is not None for m in lins) else ""
+                int8 = "+vnni_int8" if any(m.vnni_int8 is not None for m in lins) else ""
                 gguf = "+gguf_int8" if any(f is not None for m in lins for f in m.gguf_int8) else "+gguf"
                 self.linear_kernels += nibbles + int8 + gguf
         self.decoder = self._build_decoder(kernels)
@@ -274,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if (s.qk_norm or getattr(backend, "ops", None) is None or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not all(isinstance(m, CPULinear) and (m.amx_weight is not None or m.vnni_q4 is not None)
+                or not all(isinstance(m, CPULinear) and (m.amx_weight is not None or m.vnni_int8 is not None)
                            for m in linears)):
             return None
         decoder = torch.classes.pagellm.LlamaDecoder(s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
@@ -301,8 +301,8 @@ class LlamaForCausalLM(nn.Module):
                         decoder.set_gguf_int8(which, part, *form)
                 if lin.amx_q4 is not None:
                     decoder.set_amx_q4(which, *lin.amx_q4)
-                if lin.vnni_q4 is not None:
-                    decoder.set_vnni_q4(which, *lin.vnni_q4)
+                if lin.vnni_int8 is not None:
+                    decoder.set_vnni_int8(which, *lin.vnni_int8)
         return decoder
 
     @torch.no_grad()

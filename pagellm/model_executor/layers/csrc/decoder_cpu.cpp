@@ -49,7 +49,7 @@ struct Linear {
   // gguf_linear
   std::vector<at::Tensor> gguf_i8_qs, gguf_i8_scales, gguf_channels, gguf_wc;
   at::Tensor q4, q4_scales;  // a 4-bit GGUF weight's nibbles for AMX (amx_q4_panels.h), undefined if none
-  // its quants for the int8 dot products and their outlier channels (q4_vnni_linear_cpu.cpp), undefined if none
+  // its quants for the int8 dot products and their outlier channels (vnni_int8_linear_cpu.cpp), undefined if none
   at::Tensor q8, q8_scales, q8_channels, q8_wc;
 };
 
@@ -130,11 +130,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
     l.q4 = q4, l.q4_scales = scales;
   }
 
-  // Linear `which` (0-3) of the last layer added takes q4_vnni_linear on these quants, scales and outlier channels
-  // past gguf_max_rows rows (layers/linear.py: CPULinear.vnni_q4; the same tensors, so both loops share the
+  // Linear `which` (0-3) of the last layer added takes vnni_int8_linear on these quants, scales and outlier channels
+  // past gguf_max_rows rows (layers/linear.py: CPULinear.vnni_int8; the same tensors, so both loops share the
   // channels the first call chooses).
-  void set_vnni_q4(int64_t which, at::Tensor q8, at::Tensor scales, at::Tensor channels, at::Tensor wc) {
-    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_vnni_q4: a linear (0-3) of an added layer");
+  void set_vnni_int8(int64_t which, at::Tensor q8, at::Tensor scales, at::Tensor channels, at::Tensor wc) {
+    TORCH_CHECK(!layers_.empty() && which >= 0 && which < 4, "set_vnni_int8: a linear (0-3) of an added layer");
     Layer& L = layers_.back();
     Linear& l = which == 0 ? L.qkv : which == 1 ? L.o : which == 2 ? L.gate_up : L.down;
     l.q8 = q8, l.q8_scales = scales, l.q8_channels = channels, l.q8_wc = wc;
@@ -288,8 +288,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
       PAGELLM_RANGE("pagellm::amx_q4_linear");
       amx_q4_linear(x, l.q4, l.q4_scales, l.bias, out, false);
     } else if (takes_q8(l, x.size(0))) {
-      PAGELLM_RANGE("pagellm::q4_vnni_linear");
-      q4_vnni_linear(x, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, out, false);
+      PAGELLM_RANGE("pagellm::vnni_int8_linear");
+      vnni_int8_linear(x, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, out, false);
     } else if (x.size(0) <= gemv_max_rows_) {
       PAGELLM_RANGE("pagellm::small_m_linear");
       small_m_linear(x, l.weight, l.bias, out);
@@ -314,8 +314,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
   void gate_up_act(const at::Tensor& h, const Linear& l, at::Tensor act) const {
     const int64_t T = h.size(0);
     if (takes_q8(l, T) && I_ % 16 == 0) {
-      PAGELLM_RANGE("pagellm::q4_vnni_linear_silu_mul");
-      q4_vnni_linear(h, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, act, true);
+      PAGELLM_RANGE("pagellm::vnni_int8_linear_silu_mul");
+      vnni_int8_linear(h, l.q8, l.q8_scales, l.q8_channels, l.q8_wc, l.bias, act, true);
       return;
     }
     if (T <= amx_max_rows_ && T > gemv_max_rows_ && I_ % 16 == 0 && !takes_gguf(l, T)) {
@@ -367,7 +367,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
       .def("add_gguf_part", &LlamaDecoder::add_gguf_part)
       .def("set_gguf_int8", &LlamaDecoder::set_gguf_int8)
       .def("set_amx_q4", &LlamaDecoder::set_amx_q4)
-      .def("set_vnni_q4", &LlamaDecoder::set_vnni_q4)
+      .def("set_vnni_int8", &LlamaDecoder::set_vnni_int8)
       .def("bind_cache", &LlamaDecoder::bind_cache)
       .def("forward", &LlamaDecoder::forward);
 }

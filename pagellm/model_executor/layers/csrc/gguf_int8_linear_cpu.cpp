@@ -13,7 +13,7 @@
 // row, 8 VPDPBUSD (AVX2: 8 VPMADDUBSW summed in int16, then 2 VPMADDWD) on x's quads broadcast, then 2
 // conversions, a multiply and 3 FMAs for the block's steps; the nibbles' mask and shift are shared by the rows. A
 // first version kept each output column's blocks in its own vector's lanes, which cost ~8 operations a row for
-// every 128 weights of a column (2.5-3x these) and made 4 rows slower than q4_vnni_linear. Figures:
+// every 128 weights of a column (2.5-3x these) and made 4 rows slower than vnni_int8_linear. Figures:
 // docs/performance-log.md.
 //
 // The math, per row r and output column n, blocks b of 32 depths with the weight's d, m (w = d q + m, q in 0..15,
@@ -29,10 +29,10 @@
 // are 0.5 nats apart (tests/test_gguf_linear.py); it costs a conversion and an FMA more a block.
 //
 // Outlier channels: a few input channels of a model's activations run ~20x the rest (SmolLM2's norm outputs) and
-// would leave a block's other values a few int8 steps (q4_vnni_linear_cpu.cpp measured what that costs; here,
+// would leave a block's other values a few int8 steps (vnni_int8_linear_cpu.cpp measured what that costs; here,
 // without them: 99.17% and 38 of 48). So, as there, each weight keeps P channels
 // (layers/linear.py: GGUF_INT8_OUTLIER_CHANNELS) out of the int8 values: chosen on its first call, as the channels
-// of largest |x| over that call's rows (outlier_channels.h: as q4_vnni_linear's), ascending, into the
+// of largest |x| over that call's rows (outlier_channels.h: as vnni_int8_linear's), ascending, into the
 // caller's tensors with the weight's exact values there (wc [N][P]); every later call takes the same ones, and the
 // engine makes the first call a fixed prompt's (LLMEngine.choose_int8_outliers).
 //

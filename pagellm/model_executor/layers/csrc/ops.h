@@ -21,9 +21,9 @@ void amx_q4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& 
                    const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul);
 bool small_m_linear_supported();
 void small_m_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor out);
-bool q4_vnni_linear_supported();
-void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales, at::Tensor channels,
-                    at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul);
+bool vnni_int8_linear_supported();
+void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales, at::Tensor channels,
+                      at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul);
 bool gguf_linear_supported();
 void gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& bias, at::Tensor out);

@@ -1,4 +1,4 @@
-// The outlier channels of the int8 linears (q4_vnni_linear_cpu.cpp, gguf_int8_linear_cpu.cpp): a few input
+// The outlier channels of the int8 linears (vnni_int8_linear_cpu.cpp, gguf_int8_linear_cpu.cpp): a few input
 // channels of x kept out of its int8 values and taken exactly, chosen once per weight on its first call.
 #pragma once
 

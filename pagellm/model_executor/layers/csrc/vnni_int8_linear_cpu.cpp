@@ -1,7 +1,8 @@
-// y = x W^T (+ bias) for a 4-bit GGUF weight (the q4_1 layout of layers/quantized.py: Q4_0, Q4_1, Q4_K) on
-// AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per output column at load, x to int8 per row
-// at each call, as vLLM's int8 linears (per-channel weights, dynamic per-token activations); for CPUs without AMX
-// (layers/linear.py: CPULinear.vnni_q4; EngineConfig.gguf_int8_activations).
+// y = x W^T (+ bias) for a GGUF weight (4-bit, and 5- or 6-bit where the int8 form is fine enough: any layout of
+// layers/quantized.py, pack_vnni_int8) on AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per
+// output column at load, x to int8 per row at each call, as vLLM's int8 linears (per-channel weights, dynamic
+// per-token activations); for CPUs without AMX (layers/linear.py: CPULinear.vnni_int8;
+// EngineConfig.gguf_int8_activations).
 //
 // Why: without AMX the bf16 linears run on VDPBF16PS (Zen 4) or fp32 FMAs, and there they are bound by the
 // multiply-adds, not by memory: on Zen 4 the 120 layer linears ran at 93-98% of VDPBF16PS's peak, ~75% of
@@ -13,14 +14,14 @@
 // 0.82-0.85x the time at 64-2,048 rows. One step per column takes none: the int32 sums run the whole depth, and
 // the linears took 0.88-0.89x that again (2026-12-06).
 //
-// The math, per row r and output column n. The weight's column (w = d q + m per block, exact in fp32) is s[n] *
+// The math, per row r and output column n. The weight's column (exact in fp32, e.g. w = d q + m a block) is s[n] *
 // w8 with s = max|w| / 127 over the column and w8 = round_half_even(w * (1 / s)) (layers/quantized.py:
-// pack_vnni_q4; at most s / 2 off). x's row is dx[r] * xq, dx = max|x| / 127, xq = round_half_even(x * (1 / dx))
+// pack_vnni_int8; at most s / 2 off). x's row is dx[r] * xq, dx = max|x| / 127, xq = round_half_even(x * (1 / dx))
 // in [-127, 127], stored as xq + 128 (VPDPBUSD's unsigned operand). Then
 //   y[r][n] = dx[r] * s[n] * I[r][n],  I = sum_k xq w8 (int32, exact),
 // I's sums starting from the column's offset -128 * sum_k w8 to take out x's + 128; I is converted to fp32 once
 // (exact below 2^24, within fp32's rounding above), times s, then times dx. Partial sums stay within
-// K * (128 + 255) * 127, under 2^31 up to K = VNNI_Q4_MAX_K (44,128). A row holding a NaN or an infinity gets NaN.
+// K * (128 + 255) * 127, under 2^31 up to K = VNNI_INT8_MAX_K (44,128). A row holding a NaN or an infinity gets NaN.
 // Teacher-forced agreement with fp32 on workload_16 (`pagellm bench agreement`): 99.02% (lowest prompt 97.66%) on
 // Zen 4, against 99.07% (96.88%) with a step per 32-deep block, 99.46% (98.44%) with the 4-bit weight as it is
 // and x scaled per block, and 99.71% on the bf16 weights; on workload_64 98.54% against 98.73% with a step per
@@ -36,7 +37,7 @@
 // loop, takes the same one and a row's output does not depend on the other rows of its call; the engine makes the
 // first call a fixed prompt's (LLMEngine.choose_int8_outliers), so it is the same in every engine of a model.
 //
-// Layout (layers/quantized.py: pack_vnni_q4): q8 int8 [N/16][K/32][8][64]: row j of a block holds, at byte 4 n + e,
+// Layout (layers/quantized.py: pack_vnni_int8): q8 int8 [N/16][K/32][8][64]: row j of a block holds, at byte 4 n + e,
 // column n's w8 at depth 4 j + e (one VPDPBUSD operand: 16 columns x 4 depths); scales fp32 [N/16][2][16]: the 16
 // columns' s, then the bits of their int32 offsets. Columns past N (N % 16) have w8 = s = 0.
 #include <ATen/ATen.h>
@@ -58,11 +59,11 @@ namespace {
 using namespace pagellm;
 
 // The deepest weight whose int32 sums cannot overflow: K * (128 + 255) * 127 < 2^31, a multiple of 32
-// (layers/linear.py: VNNI_Q4_MAX_K, past which the engine keeps the bf16 paths)
+// (layers/linear.py: VNNI_INT8_MAX_K, past which the engine keeps the bf16 paths)
 constexpr int64_t kMaxK = 44128;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define PAGELLM_Q4_VNNI 1
+#define PAGELLM_INT8_VNNI 1
 using bf16 = c10::BFloat16;
 
 constexpr int64_t kRowChunk = 256;  // rows of x whose int8 copy (K bytes each) stays in L2 across column blocks
@@ -312,8 +313,8 @@ void run(const Gemm& g) {
 
 }  // namespace
 
-bool q4_vnni_linear_supported() {
-#if defined(PAGELLM_Q4_VNNI)
+bool vnni_int8_linear_supported() {
+#if defined(PAGELLM_INT8_VNNI)
   return true;
 #else
   return false;
@@ -324,15 +325,15 @@ bool q4_vnni_linear_supported() {
 // int8 form in q8 / scales (the layout above); x, out, bias bf16. channels (int32 [P], P <= K) and wc (fp32
 // [P, N/16 * 16]): the weight's outlier channels and its values there, which the first call chooses and writes
 // (channels[0] < 0 until then; P = 0: none).
-void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales, at::Tensor channels,
-                    at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul) {
-  TORCH_CHECK(q4_vnni_linear_supported(), "q4_vnni_linear needs AVX512-VNNI and AVX512-BW");
+void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales, at::Tensor channels,
+                      at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul) {
+  TORCH_CHECK(vnni_int8_linear_supported(), "vnni_int8_linear needs AVX512-VNNI and AVX512-BW");
   const int64_t w_tiles = q8.dim() > 0 ? q8.size(0) : 0, N = out.dim() == 2 ? out.size(1) : 0;
-  TORCH_CHECK(!silu_mul || N % 16 == 0, "q4_vnni_linear silu_mul: the intermediate size must be a multiple of 16");
+  TORCH_CHECK(!silu_mul || N % 16 == 0, "vnni_int8_linear silu_mul: the intermediate size must be a multiple of 16");
   check_tile_rows(x, bias, out, silu_mul ? 2 * N : N, w_tiles, "q8");  // silu_mul: [gate | up], 2N columns
   TORCH_CHECK(q8.dim() == 4 && q8.is_contiguous() && q8.scalar_type() == at::kChar && q8.size(2) == 8 &&
               q8.size(3) == 64 && q8.size(1) * 32 == x.size(1), "q8: int8 [N/16, K/32, 8, 64]");
-  TORCH_CHECK(x.size(1) <= kMaxK, "q4_vnni_linear: K = ", x.size(1), " is over ", kMaxK,
+  TORCH_CHECK(x.size(1) <= kMaxK, "vnni_int8_linear: K = ", x.size(1), " is over ", kMaxK,
               ", past which the int32 sums could overflow");
   TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
               scales.size(0) == w_tiles && scales.size(1) == 2 && scales.size(2) == 16,
@@ -343,7 +344,7 @@ void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor&
               P <= x.size(1), "channels: int32 [P], P <= K");
   TORCH_CHECK(wc.dim() == 2 && wc.is_contiguous() && wc.scalar_type() == at::kFloat && wc.size(0) == P &&
               wc.size(1) == w_tiles * 16, "wc: float32 [P, N/16 * 16]");
-#if defined(PAGELLM_Q4_VNNI)
+#if defined(PAGELLM_INT8_VNNI)
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
   at::Tensor dx = at::empty({M}, x.options().dtype(at::kFloat));
@@ -363,8 +364,8 @@ void q4_vnni_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor&
 }
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("q4_vnni_linear(Tensor x, Tensor q8, Tensor scales, Tensor(a!) channels, Tensor(b!) wc, Tensor? bias, "
+  m.def("vnni_int8_linear(Tensor x, Tensor q8, Tensor scales, Tensor(a!) channels, Tensor(b!) wc, Tensor? bias, "
         "Tensor(c!) out, bool silu_mul) -> ()");
-  m.impl("q4_vnni_linear", c10::DispatchKey::CPU, &q4_vnni_linear);
-  m.def("q4_vnni_linear_supported() -> bool", [] { return q4_vnni_linear_supported(); });
+  m.impl("vnni_int8_linear", c10::DispatchKey::CPU, &vnni_int8_linear);
+  m.def("vnni_int8_linear_supported() -> bool", [] { return vnni_int8_linear_supported(); });
 }

@@ -1,5 +1,5 @@
-"""The int8 dot-product linear on a 4-bit GGUF weight (csrc/q4_vnni_linear_cpu.cpp: q4_vnni_linear;
-layers/quantized.py: pack_vnni_q4), for CPUs with AVX512-VNNI but no AMX: the weight's values rounded to int8 per
+"""The int8 dot-product linear on a 4-bit GGUF weight (csrc/vnni_int8_linear_cpu.cpp: vnni_int8_linear;
+layers/quantized.py: pack_vnni_int8), for CPUs with AVX512-VNNI but no AMX: the weight's values rounded to int8 per
 output column (s = max|w| / 127), x to int8 per row (dx = max|x| / 127), both ties to even, int32 sums. Its output
 must be that math's within bf16's rounding, x's int8 values exactly those described, the silu form the two steps
 bit for bit, and the engine must route more than GEMV_MAX_ROWS rows to it where it is enabled. AMX machines run it
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from pagellm.model_executor.layers.cpu_kernels import load_extension
-from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, INT8_OUTLIER_CHANNELS, VNNI_Q4_MAX_EXCESS,
-                                                  VNNI_Q4_MAX_K, CPUKernels, CPULinear, cpu_kernels, vnni_q4_form)
-from pagellm.model_executor.layers.quantized import GGUFWeight
+from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, VNNI_INT8_MAX_EXCESS, VNNI_INT8_MAX_K, CPULinear,
+                                                  cpu_kernels)
+from pagellm.model_executor.layers.quantized import GGUFParts, GGUFWeight, pack_vnni_int8
+from pagellm.model_executor.layers.weight_forms import INT8_OUTLIER_CHANNELS, vnni_int8_form
 from test_gguf_linear import random_blocks
 
 ops = load_extension()
-needs_vnni = pytest.mark.skipif(not ops.q4_vnni_linear_supported(), reason="CPU without AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(not ops.vnni_int8_linear_supported(), reason="CPU without AVX512-VNNI")
 
 
 def round_to_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,14 +55,21 @@ def int8_math(x: torch.Tensor, q: GGUFWeight, bias: torch.Tensor | None = None,
     return y, size
 
 
-def test_pack_vnni_q4_puts_each_weight_where_the_kernel_reads_it():
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "parts"])
+def test_pack_vnni_int8_puts_each_weight_where_the_kernel_reads_it(kind):
     # unpacked by hand: byte 4 n + e of row j of tile t, block b, holds column 16 t + n at depth 32 b + 4 j + e;
-    # 40 columns: the third tile's last 8 columns are zeros
-    q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 40, 96, seed=3))
-    q8, sc, _ = q.pack_vnni_q4()
-    assert q8.shape == (3, 3, 8, 64) and q8.dtype == torch.int8
+    # 40 columns: the third tile's last 8 columns are zeros. Every layout the blocks come in, and a fused weight of
+    # two (Q4_K_M's q and k in Q4_K, v in Q6_K), rows across the parts' boundary in one tile
+    if kind == "parts":
+        q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 24, 256, seed=3)),
+                            GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 16, 256, seed=4))])
+        assert isinstance(q, GGUFParts)
+    else:
+        q = GGUFWeight.from_blocks(kind, random_blocks(kind, 40, 256, seed=3))
+    q8, sc, _ = pack_vnni_int8(q)
+    assert q8.shape == (3, 8, 8, 64) and q8.dtype == torch.int8
     assert sc.shape == (3, 2, 16) and sc.dtype == torch.float32
-    w8 = q8.view(3, 3, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 96).float()  # [t n, b j e]
+    w8 = q8.view(3, 8, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 256).float()  # [t n, b j e]
     step = sc[:, 0].reshape(48, 1)
     offset = sc[:, 1].contiguous().view(torch.int32).reshape(48)
     assert torch.equal((w8 * step)[:40], int8_weight(q)) and not w8[40:].any() and not step[40:].any()
@@ -70,11 +78,9 @@ def test_pack_vnni_q4_puts_each_weight_where_the_kernel_reads_it():
     w = q.dequantize()
     assert ((w8[:40] * step[:40] - w).abs() <= step[:40] * (0.5 + 2**-16)).all()
     assert (w8[:40].abs().amax(-1) == 127).all()
-    with pytest.raises(ValueError, match="q4_1 layout, not q8_0"):
-        GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 16, 64)).pack_vnni_q4()
 
 
-def test_pack_vnni_q4_in_pieces_is_the_same(monkeypatch):
+def test_pack_vnni_int8_in_pieces_is_the_same(monkeypatch):
     # made DEQUANT_FLOATS values at a time, whole 16-column tiles: here 1 or 2 tiles a piece, the last one partial
     # (40 columns); the outlying block makes its column's excess the largest, in the second piece
     from pagellm.model_executor.layers import quantized
@@ -82,17 +88,17 @@ def test_pack_vnni_q4_in_pieces_is_the_same(monkeypatch):
     raw = random_blocks("Q4_1", 40, 96, seed=6)
     raw.view(40, 3, 20)[21, 1, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
     q = GGUFWeight.from_blocks("Q4_1", raw)
-    whole = q.pack_vnni_q4()
+    whole = pack_vnni_int8(q)
     assert whole[2] > 1
     for floats in (16 * 96, 32 * 96):
         monkeypatch.setattr(quantized, "DEQUANT_FLOATS", floats)
-        q8, sc, excess = q.pack_vnni_q4()
+        q8, sc, excess = pack_vnni_int8(q)
         assert torch.equal(q8, whole[0]) and excess == whole[2]
         assert torch.equal(sc.view(torch.int32), whole[1].view(torch.int32))  # (the offsets: int32 bits)
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 300])
 def test_the_int8_math_within_bf16_rounding(kind, rows):
     # plain with and without bias, N not a multiple of 32 (a lone 16-column tile, 8 padded columns), K = 1,536
@@ -102,7 +108,7 @@ def test_the_int8_math_within_bf16_rounding(kind, rows):
         x = torch.randn(rows, k + 32).bfloat16()[:, :k]
         for bias in (None, torch.randn(n).bfloat16()):
             got = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
-            ops.q4_vnni_linear(x, *vnni_q4_form(q, 0), bias, got, False)
+            ops.vnni_int8_linear(x, *vnni_int8_form(q, 0), bias, got, False)
             want, size = int8_math(x, q, bias)
             # bf16's rounding of the result, and the exact int32 sum's conversion and products in fp32
             assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-18 * size).all(), (n, k, bias is None)
@@ -130,7 +136,7 @@ def test_x_is_rounded_per_row_ties_to_even():
     scales[..., 0] = 127
     q = GGUFWeight("q4_1", (qs[..., :16] | (qs[..., 16:] << 4)).contiguous(), scales)
     got = torch.empty(rows, n, dtype=torch.bfloat16)
-    ops.q4_vnni_linear(x, *vnni_q4_form(q, 0), None, got, False)
+    ops.vnni_int8_linear(x, *vnni_int8_form(q, 0), None, got, False)
     xq, d = round_to_int8(x)
     want = (xq * 127 * d + 0.0).bfloat16()  # + 0: an integer sum has no -0
     ok = torch.ones(rows, dtype=torch.bool)
@@ -151,7 +157,7 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
     # product is ~10x (0.66 against 0.066; x rounded per row here, the weight to int8 in both).
     k, n = 512, 96
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=5))
-    form = vnni_q4_form(q)
+    form = vnni_int8_form(q)
     _, _, channels, wc = form
     assert channels.tolist() == [-1] * INT8_OUTLIER_CHANNELS
     hot = [7, 200, 511]
@@ -159,7 +165,7 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
     x[:, hot] *= 100
     x = x.bfloat16()
     got = torch.empty(40, n, dtype=torch.bfloat16)
-    ops.q4_vnni_linear(x, *form, None, got, False)
+    ops.vnni_int8_linear(x, *form, None, got, False)
     top = x.float().abs().amax(0)
     want_channels = sorted(torch.sort(top, descending=True, stable=True).indices[:INT8_OUTLIER_CHANNELS].tolist())
     assert channels.tolist() == want_channels and set(hot) <= set(want_channels)
@@ -168,15 +174,15 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
     err = (got.double() - want).abs()
     assert (err <= 2**-8 * want.abs() + 2**-18 * size).all()
     plain = torch.empty(40, n, dtype=torch.bfloat16)
-    ops.q4_vnni_linear(x, *vnni_q4_form(q, 0), None, plain, False)
+    ops.vnni_int8_linear(x, *vnni_int8_form(q, 0), None, plain, False)
     exact = x.double() @ q.dequantize().double().t()
     assert (plain.double() - exact).abs().mean() > 4 * (got.double() - exact).abs().mean()
     # a later call of other rows keeps the choice; a row's output does not depend on the rows beside it
     y = torch.randn(6, k).bfloat16()
     alone = torch.empty(1, n, dtype=torch.bfloat16)
     both = torch.empty(6, n, dtype=torch.bfloat16)
-    ops.q4_vnni_linear(y[:1].contiguous(), *form, None, alone, False)
-    ops.q4_vnni_linear(y, *form, None, both, False)
+    ops.vnni_int8_linear(y[:1].contiguous(), *form, None, alone, False)
+    ops.vnni_int8_linear(y, *form, None, both, False)
     assert channels.tolist() == want_channels
     assert torch.equal(alone.view(torch.int16), both[:1].view(torch.int16))
 
@@ -189,10 +195,10 @@ def test_silu_mul_is_the_two_steps_bit_for_bit(rows):
     bias = torch.randn(96).bfloat16()
     for b in (None, bias):
         got = torch.full((rows, 48), float("nan"), dtype=torch.bfloat16)
-        form = vnni_q4_form(q)
-        ops.q4_vnni_linear(x, *form, b, got, True)
+        form = vnni_int8_form(q)
+        ops.vnni_int8_linear(x, *form, b, got, True)
         full = torch.empty(rows, 96, dtype=torch.bfloat16)
-        ops.q4_vnni_linear(x, *form, b, full, False)
+        ops.vnni_int8_linear(x, *form, b, full, False)
         want = torch.empty(rows, 48, dtype=torch.bfloat16)
         ops.silu_and_mul(full, want)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -208,7 +214,7 @@ def test_the_same_bits_on_any_thread_count():
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             y = torch.empty(300, 200, dtype=torch.bfloat16)
-            ops.q4_vnni_linear(x, *vnni_q4_form(q), None, y, False)
+            ops.vnni_int8_linear(x, *vnni_int8_form(q), None, y, False)
             outs.append(y)
     finally:
         torch.set_num_threads(threads)
@@ -217,35 +223,35 @@ def test_the_same_bits_on_any_thread_count():
 
 @needs_vnni
 def test_bad_operands_get_clear_errors():
-    q8, sc, ch, wc = vnni_q4_form(GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 32, 64)))
+    q8, sc, ch, wc = vnni_int8_form(GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 32, 64)))
     x, out = torch.randn(3, 64).bfloat16(), torch.empty(3, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="q8: int8"):
-        ops.q4_vnni_linear(x, q8.view(torch.uint8), sc, ch, wc, None, out, False)
+        ops.vnni_int8_linear(x, q8.view(torch.uint8), sc, ch, wc, None, out, False)
     with pytest.raises(RuntimeError, match="q8: int8"):
-        ops.q4_vnni_linear(torch.randn(3, 96).bfloat16(), q8, sc, ch, wc, None, out, False)  # K does not match
+        ops.vnni_int8_linear(torch.randn(3, 96).bfloat16(), q8, sc, ch, wc, None, out, False)  # K does not match
     with pytest.raises(RuntimeError, match="scales: float32"):
-        ops.q4_vnni_linear(x, q8, sc.double(), ch, wc, None, out, False)
+        ops.vnni_int8_linear(x, q8, sc.double(), ch, wc, None, out, False)
     with pytest.raises(RuntimeError, match="N matching q8"):
-        ops.q4_vnni_linear(x, q8, sc, ch, wc, None, torch.empty(3, 48, dtype=torch.bfloat16), False)
+        ops.vnni_int8_linear(x, q8, sc, ch, wc, None, torch.empty(3, 48, dtype=torch.bfloat16), False)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        ops.q4_vnni_linear(x, q8, sc, ch, wc, None, torch.empty(3, 8, dtype=torch.bfloat16), True)
+        ops.vnni_int8_linear(x, q8, sc, ch, wc, None, torch.empty(3, 8, dtype=torch.bfloat16), True)
     with pytest.raises(RuntimeError, match="x, out: bfloat16"):
-        ops.q4_vnni_linear(x.float(), q8, sc, ch, wc, None, out, False)
+        ops.vnni_int8_linear(x.float(), q8, sc, ch, wc, None, out, False)
     with pytest.raises(RuntimeError, match="channels: int32"):
-        ops.q4_vnni_linear(x, q8, sc, ch.long(), wc, None, out, False)
+        ops.vnni_int8_linear(x, q8, sc, ch.long(), wc, None, out, False)
     with pytest.raises(RuntimeError, match="wc: float32"):
-        ops.q4_vnni_linear(x, q8, sc, ch, wc[:, :16].contiguous(), None, out, False)
+        ops.vnni_int8_linear(x, q8, sc, ch, wc[:, :16].contiguous(), None, out, False)
     with pytest.raises(RuntimeError, match="channels: ascending"):
-        ops.q4_vnni_linear(x, q8, sc, torch.tensor([5, 3] + [-1] * (len(ch) - 2), dtype=torch.int32), wc, None,
-                           out, False)
+        ops.vnni_int8_linear(x, q8, sc, torch.tensor([5, 3] + [-1] * (len(ch) - 2), dtype=torch.int32), wc, None,
+                             out, False)
     assert (ch == -1).all()  # no call above got as far as choosing
-    # past VNNI_Q4_MAX_K the int32 sums could overflow: the kernel refuses, and CPULinear keeps the bf16 paths
-    deep = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 16, VNNI_Q4_MAX_K + 32))
-    xd = torch.randn(2, VNNI_Q4_MAX_K + 32).bfloat16()
+    # past VNNI_INT8_MAX_K the int32 sums could overflow: the kernel refuses, and CPULinear keeps the bf16 paths
+    deep = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 16, VNNI_INT8_MAX_K + 32))
+    xd = torch.randn(2, VNNI_INT8_MAX_K + 32).bfloat16()
     with pytest.raises(RuntimeError, match="K = 44160 is over 44128"):
-        ops.q4_vnni_linear(xd, *vnni_q4_form(deep), None, torch.empty(2, 16, dtype=torch.bfloat16), False)
+        ops.vnni_int8_linear(xd, *vnni_int8_form(deep), None, torch.empty(2, 16, dtype=torch.bfloat16), False)
     lin = CPULinear(deep.dequantize().bfloat16(), None, cpu_kernels(NoAmx(), torch.bfloat16))
-    assert lin.set_gguf(deep) and lin.vnni_q4 is None
+    assert lin.set_gguf(deep) and lin.vnni_int8 is None
 
 
 class NoAmx:
@@ -260,11 +266,11 @@ class NoAmx:
 @needs_vnni
 def test_cpus_without_amx_pick_it_unless_told_not_to():
     kernels = cpu_kernels(NoAmx(), torch.bfloat16)
-    assert kernels is not None and kernels.fma is not None and kernels.vnni_q4 is not None
-    assert cpu_kernels(NoAmx(), torch.bfloat16, int8_activations=False).vnni_q4 is None
+    assert kernels is not None and kernels.fma is not None and kernels.vnni_int8 is not None
+    assert cpu_kernels(NoAmx(), torch.bfloat16, int8_activations=False).vnni_int8 is None
     assert cpu_kernels(ops, torch.float32) is None
     if ops.amx_linear_supported():
-        assert cpu_kernels(ops, torch.bfloat16).vnni_q4 is None  # AMX's bf16 tiles are faster
+        assert cpu_kernels(ops, torch.bfloat16).vnni_int8 is None  # AMX's bf16 tiles are faster
 
 
 @needs_vnni
@@ -274,14 +280,14 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     w = q.dequantize().bfloat16()
     lin = CPULinear(w, None, kernels)
     assert lin.amx_weight is not None
-    assert lin.set_gguf(q) and lin.vnni_q4 is not None
+    assert lin.set_gguf(q) and lin.vnni_int8 is not None
     # the int8 kernels take every row count: no packed copy, nor the bf16 weight and the blocks (their shapes kept)
     assert lin.amx_weight is None and lin.tiled is None
     assert lin.weight.is_meta and lin.weight.shape == (96, 256) and lin.gguf.qs.is_meta and lin.gguf.shape == (96, 256)
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64, 300):
         x = torch.randn(rows, 256).bfloat16()
         int8 = torch.empty(rows, 96, dtype=torch.bfloat16)
-        ops.q4_vnni_linear(x, *lin.vnni_q4, None, int8, False)  # the channels chosen on the first call
+        ops.vnni_int8_linear(x, *lin.vnni_int8, None, int8, False)  # the channels chosen on the first call
         want = int8
         if rows <= GEMV_MAX_ROWS:  # the few-row kernel on the blocks, x in int8 (test_gguf_int8_linear)
             want = torch.empty(rows, 96, dtype=torch.bfloat16)
@@ -291,7 +297,7 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
         act = lin.silu_and_mul(x)
         if rows > GEMV_MAX_ROWS:
             want = torch.empty(rows, 48, dtype=torch.bfloat16)
-            ops.q4_vnni_linear(x, *lin.vnni_q4, None, want, True)
+            ops.vnni_int8_linear(x, *lin.vnni_int8, None, want, True)
             assert torch.equal(act, want)
         else:
             assert act is None  # forward's GGUF kernel, then silu_and_mul
@@ -301,8 +307,8 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
         assert torch.equal(lin(x3[..., ::2]), want)
         assert torch.equal(lin(x3[..., ::2].float()), want.float())
     assert lin(torch.randn(0, 256).bfloat16()).shape == (0, 96) and lin(torch.randn(2, 0, 256)).shape == (2, 0, 96)
-    off = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
-    assert off.set_gguf(q) and off.vnni_q4 is None and off.amx_weight is not None
+    off = CPULinear(w, None, dataclasses.replace(kernels, vnni_int8=None))
+    assert off.set_gguf(q) and off.vnni_int8 is None and off.amx_weight is not None
     # without the int8 form the packed copy serves past 4 rows: the plain weight goes all the same, and the blocks
     # where the few-row kernel has its regrouped form
     assert off.weight.is_meta and off.gguf.qs.is_meta == (off.gguf_int8 != [] and all(off.gguf_int8))
@@ -311,32 +317,90 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
     assert built.amx_weight is None and built.weight.is_meta and built.gguf.qs.is_meta
     x = torch.randn(64, 256).bfloat16()
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # (bytes: the int8 form's offsets are int32 bits)
-               for a, b in zip(built.vnni_q4[:2] + built.gguf_int8[0][:2], lin.vnni_q4[:2] + lin.gguf_int8[0][:2]))
+               for a, b in zip(built.vnni_int8[:2] + built.gguf_int8[0][:2], lin.vnni_int8[:2] + lin.gguf_int8[0][:2]))
     for i in (2, 3):  # the outlier channels lin's first call chose, and the weight's values there
-        built.vnni_q4[i].copy_(lin.vnni_q4[i])
+        built.vnni_int8[i].copy_(lin.vnni_int8[i])
     assert torch.equal(built(x), lin(x))
-    kept = CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None), q)
+    kept = CPULinear(w, None, dataclasses.replace(kernels, vnni_int8=None), q)
     assert kept.amx_weight is not None and torch.equal(kept(x), off(x))
     # a weight the model left to its blocks (load_weights' defer): made from them only where a bf16 path reads it
     meta = torch.empty(96, 256, dtype=torch.bfloat16, device="meta")
-    made = CPULinear(meta, None, dataclasses.replace(kernels, vnni_q4=None), q)
+    made = CPULinear(meta, None, dataclasses.replace(kernels, vnni_int8=None), q)
     assert torch.equal(made.amx_weight, off.amx_weight) and torch.equal(made(x), off(x)) and made.weight.is_meta
     assert CPULinear(meta, None, kernels, q).weight.is_meta
     with pytest.raises(ValueError, match=r"a \(96, 256\) linear weight left to GGUF blocks, but none were given"):
         CPULinear(meta, None, kernels)
 
 
-def excess_by_hand(q: GGUFWeight) -> float:
-    """The worst column's squared error added by int8_weight over its 4-bit rounding's (d^2 / 12 a weight)."""
+@needs_vnni
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0", "parts"])
+def test_a_weight_of_5_to_8_bits_takes_it_past_the_few_rows(kind):
+    # 5- to 8-bit weights, and a fused weight with such a part, take the int8 form past GEMV_MAX_ROWS as 4-bit ones
+    # do (where the guard lets them), and their blocks up to it: the exact kernel, or for a 4-bit part its own;
+    # neither the plain weight nor the packed copy stays, the blocks do. The LM head (int8_form=False) keeps its
+    # exact logits.
+    kernels = cpu_kernels(NoAmx(), torch.bfloat16)
+    if kind == "parts":
+        q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 64, 256, seed=1)),
+                            GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 32, 256, seed=2))])
+    else:
+        q = GGUFWeight.from_blocks(kind, random_blocks(kind, 96, 256, seed=2))
+    assert pack_vnni_int8(q)[2] < VNNI_INT8_MAX_EXCESS
+    w = q.dequantize().bfloat16()
+    lin = CPULinear(w, None, kernels, q)
+    assert lin.vnni_int8 is not None and lin.amx_weight is None and lin.weight.is_meta
+    assert not any(piece.qs.is_meta for piece, _ in lin.gguf.pieces)  # a piece without a few-row int8 form
+    assert [f is not None for f in lin.gguf_int8] == [p.kind == "q4_1" for p, _ in q.pieces]
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 256).bfloat16()
+        want = torch.empty(rows, 96, dtype=torch.bfloat16)
+        if rows > GEMV_MAX_ROWS:
+            ops.vnni_int8_linear(x, *lin.vnni_int8, None, want, False)
+        else:
+            for (piece, col), form in zip(q.pieces, lin.gguf_int8):
+                part = want[:, col:col + piece.shape[0]]
+                if form is not None:
+                    ops.gguf_int8_linear(x, *form, None, part)
+                else:
+                    ops.gguf_linear(x, piece.qs, piece.scales, None, part)
+        assert torch.equal(lin(x), want), rows
+    head = CPULinear(w, None, kernels)
+    assert head.set_gguf(q, int8_form=False) and head.vnni_int8 is None and head.amx_weight is not None
+
+
+def excess_by_hand(q: GGUFWeight | GGUFParts) -> float:
+    """The worst column's squared error added by int8_weight over the file's own rounding (d^2 / 12 a weight, d the
+    step of its block: of its 16 weights for Q6_K)."""
     added = (int8_weight(q).double() - q.dequantize().double()).square().sum(-1)
-    own = q.scales[..., 0].double().square().sum(-1) * 32 / 12
-    return (added / own).max().item()
+    own = []
+    for part, _ in q.pieces:
+        d = part.scales.double() if part.kind == "q8_2" else part.scales[..., :1].double()
+        own.append(d.square().sum((-2, -1)) * (part.shape[1] / d[0].numel()) / 12)
+    return (added / torch.cat(own)).max().item()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "parts"])
+def test_the_excess_is_measured_against_each_layouts_own_steps(kind):
+    # pack_vnni_int8's excess is the one computed by hand for every layout. Q8_0's steps (127 to its block's
+    # largest value) are finer than one step per column can be: its excess is always over 1, and the guard turns
+    # it down at the first tile
+    if kind == "parts":
+        q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 32, 512, seed=8)),
+                            GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 32, 512, seed=9))])
+    else:
+        q = GGUFWeight.from_blocks(kind, random_blocks(kind, 64, 512, seed=7))
+    excess = pack_vnni_int8(q)[2]
+    assert excess == pytest.approx(excess_by_hand(q), rel=1e-4)
+    assert (pack_vnni_int8(q, max_excess=excess) is None) is False
+    assert pack_vnni_int8(q, max_excess=excess * 0.999) is None
+    if kind == "Q8_0":
+        assert excess > 1 and vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS) is None
 
 
 @needs_vnni
 def test_a_column_made_coarse_by_one_outlying_block_keeps_the_bf16_paths():
     # The int8 form's step is a column's max|w| / 127: a block of large values (here constant: d = 0, m = 40, where
-    # the others' d are at most 0.028) coarsens the whole column past its 4-bit steps. pack_vnni_q4 measures that
+    # the others' d are at most 0.028) coarsens the whole column past its 4-bit steps. pack_vnni_int8 measures that
     # (its excess as computed by hand), and CPULinear keeps such a weight on the dot-product kernel's bf16 path.
     kernels = cpu_kernels(NoAmx(), torch.bfloat16)
     raw = random_blocks("Q4_1", 96, 256, seed=5)
@@ -344,15 +408,15 @@ def test_a_column_made_coarse_by_one_outlying_block_keeps_the_bf16_paths():
     raw = raw.clone()
     raw.view(96, 8, 20)[5, 3, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
     coarse = GGUFWeight.from_blocks("Q4_1", raw)
-    excess = [q.pack_vnni_q4()[2] for q in (fine, coarse)]
+    excess = [pack_vnni_int8(q)[2] for q in (fine, coarse)]
     assert excess == [pytest.approx(excess_by_hand(q), rel=1e-4) for q in (fine, coarse)]
-    assert excess[0] < 0.2 < VNNI_Q4_MAX_EXCESS < 10 < excess[1]
-    assert vnni_q4_form(coarse, max_excess=VNNI_Q4_MAX_EXCESS) is None and vnni_q4_form(coarse) is not None
+    assert excess[0] < 0.2 < VNNI_INT8_MAX_EXCESS < 10 < excess[1]
+    assert vnni_int8_form(coarse, max_excess=VNNI_INT8_MAX_EXCESS) is None and vnni_int8_form(coarse) is not None
     x = torch.randn(64, 256).bfloat16()
     for q, int8 in ((fine, True), (coarse, False)):
         w = q.dequantize().bfloat16()
-        lin, bf16 = CPULinear(w, None, kernels), CPULinear(w, None, dataclasses.replace(kernels, vnni_q4=None))
-        assert lin.set_gguf(q) and bf16.set_gguf(q) and (lin.vnni_q4 is not None) == int8
+        lin, bf16 = CPULinear(w, None, kernels), CPULinear(w, None, dataclasses.replace(kernels, vnni_int8=None))
+        assert lin.set_gguf(q) and bf16.set_gguf(q) and (lin.vnni_int8 is not None) == int8
         assert torch.equal(lin(x), bf16(x)) != int8
 
 
@@ -369,10 +433,10 @@ def int8_engine(gguf_path, **kw):
     swapped = {}
     for m in model.layers.modules():
         if isinstance(m, CPULinear) and m.gguf is not None:
-            if m.vnni_q4 is None:  # else the engine made it (and dropped the blocks: CPULinear.set_gguf)
-                m.amx_q4, m.vnni_q4 = None, vnni_q4_form(m.gguf)
+            if m.vnni_int8 is None:  # else the engine made it (and dropped the blocks: CPULinear.set_gguf)
+                m.amx_q4, m.vnni_int8 = None, vnni_int8_form(m.gguf)
             m.kernels = swapped.setdefault(id(m.kernels),
-                                           dataclasses.replace(m.kernels, vnni_q4=ops.q4_vnni_linear.default))
+                                           dataclasses.replace(m.kernels, vnni_int8=ops.vnni_int8_linear.default))
     assert swapped
     model.decoder, model._bound_caches = model._build_decoder(next(iter(swapped.values()))), None
     llm.llm_engine.choose_int8_outliers()
@@ -381,7 +445,7 @@ def int8_engine(gguf_path, **kw):
 
 @needs_vnni
 def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
-    # The C++ layer loop runs q4_vnni_linear for prefill and for decode steps of more than 4 rows, and the pool ends
+    # The C++ layer loop runs vnni_int8_linear for prefill and for decode steps of more than 4 rows, and the pool ends
     # whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`, workload_16,
     # 2,048 positions) gave 99.02% on Zen 4, 2026-12-06 (99.07% with a step per 32-deep block of the weight,
     # 99.46-99.56% with the 4-bit weight as it is and x rounded per 32-deep block), against 99.71% on the bf16
@@ -399,7 +463,7 @@ def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     names = {e.name for e in prof.events()}
-    assert "pagellm::q4_vnni_linear" in names and "pagellm::q4_vnni_linear_silu_mul" in names
+    assert "pagellm::vnni_int8_linear" in names and "pagellm::vnni_int8_linear_silu_mul" in names
     assert "pagellm::amx_q4_linear" not in names
     assert pool_is_whole(llm)
     assert teacher_forced_agreement(llm, fp32_reference) >= 0.94
@@ -419,8 +483,8 @@ def test_every_engine_takes_the_calibrated_channels(gguf_path):
     outs, chans = [], []
     for budget in (64, 2048):
         llm = int8_engine(gguf_path, max_num_batched_tokens=budget)
-        chans.append([m.vnni_q4[2].clone() for m in llm.llm_engine.model.layers.modules()
-                      if isinstance(m, CPULinear) and m.vnni_q4 is not None])
+        chans.append([m.vnni_int8[2].clone() for m in llm.llm_engine.model.layers.modules()
+                      if isinstance(m, CPULinear) and m.vnni_int8 is not None])
         assert pool_is_whole(llm)
         out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         outs.append((out.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in out.logprobs]))

@@ -275,7 +275,7 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
     # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: every linear takes its quants
     # (dequantized and rounded to bf16 they are its weight), qkv as two parts (q and k in Q4_K, then v in Q6_K),
     # each into its columns. Both layer loops then decode alike, and the pool ends whole.
-    from test_loader import hf_to_gguf_name, random_state_dict, tiny_config, write_gguf
+    from checkpoint_files import hf_to_gguf_name, random_state_dict, tiny_config, write_gguf
 
     from conftest import pool_is_whole
     from pagellm import LLM, SamplingParams

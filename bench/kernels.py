@@ -217,14 +217,15 @@ def gguf_blocks(ops) -> None:
 def int8_linears(ops) -> None:
     """SmolLM2's 120 layer linears on random Q4_1 blocks: vnni_int8_linear (the weight rounded to int8 per output
     column, x per row but for 8 outlier channels, EngineConfig.gguf_int8_activations; what CPUs without AMX run past
-    4 rows) against the tile kernels this CPU has on the dequantized bf16 weights (gate/up in their silu(gate) * up
-    forms)."""
+    4 rows; int8_vnni_block: a step per 32-deep block, as weights of finer steps take it) against the tile kernels
+    this CPU has on the dequantized bf16 weights (gate/up in their silu(gate) * up forms)."""
     if not ops.vnni_int8_linear_supported():
         return
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     ws = [GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=n + k + i)) for i, (n, k) in
           enumerate(shapes)]
     int8 = [vnni_int8_form(w) for w in ws]
+    int8_block = [vnni_int8_form(w, per_block=True) for w in ws]
     packed = [pack_amx(w.dequantize().bfloat16()) for w in ws]
     tiles = {}
     if ops.amx_linear_supported():
@@ -237,8 +238,9 @@ def int8_linears(ops) -> None:
     for rows in (8, 64, 256, 2048):
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         outs = [torch.empty(rows, n // 2 if n == 3072 else n, dtype=torch.bfloat16) for n, _ in shapes]
-        fs = {"int8_vnni": lambda: [ops.vnni_int8_linear(xs[w.shape[1]], *q, None, o, w.shape[0] == 3072)
-                                    for w, q, o in zip(ws, int8, outs)]}
+        fs = {name: lambda forms=forms: [ops.vnni_int8_linear(xs[w.shape[1]], *q, None, o, w.shape[0] == 3072)
+                                         for w, q, o in zip(ws, forms, outs)]
+              for name, forms in (("int8_vnni", int8), ("int8_vnni_block", int8_block))}
         for name, (lin, silu, args) in tiles.items():
             fs[name] = lambda lin=lin, silu=silu, args=args: [
                 (silu if w.shape[0] == 3072 else lin)(xs[w.shape[1]], p, None, o, *args)
@@ -247,7 +249,7 @@ def int8_linears(ops) -> None:
             fs["fma_fp16"] = lambda: [(ops.fma_linear_silu_mul if w.shape[0] == 3072 else ops.fma_linear)(
                 xs[w.shape[1]], p, None, o, inv, 0) for w, (p, inv), o in zip(ws, fp16, outs)]
         emit(bench="120 linears on Q4_1 weights, int8 x against bf16 tiles, ms", rows=rows, **best_ms(fs))
-    del ws, int8, packed, fp16
+    del ws, int8, int8_block, packed, fp16
 
 
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm

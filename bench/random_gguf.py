@@ -8,9 +8,10 @@ to end without its file (the machine has no model hub):
 
 The default mix is llama.cpp's Q4_K_M: Q4_K everywhere but the output head, attn_v and ffn_down in Q6_K (llama.cpp
 keeps those two in Q6_K for a part of the layers only: this is the heavier case); ``--mix q4_0`` is its Q4_0: every
-layer linear and the embeddings in Q4_0, the output head in Q6_K; ``--mix q5_0`` likewise in Q5_0. Quants are random
-bytes, the fp16 scales drawn in a trained model's range, the norms ones; no tokenizer (prompts are token ids). The
-text it generates means nothing; the bytes each step reads are a real file's (but random quants fill a block's range
+layer linear and the embeddings in Q4_0, the output head in Q6_K; ``--mix q5_0`` and ``q8_0`` likewise. Quants are
+random bytes (Q8_0's in [-127, 127] with each block's largest at 127, as llama.cpp's quantizer leaves them), the
+fp16 scales drawn in a trained model's range, the norms ones; no tokenizer (prompts are token ids). The text it
+generates means nothing; the bytes each step reads are a real file's (but random quants fill a block's range
 evenly, so how the int8 form's guard judges them says little about a trained model's: bench/int8_excess.py).
 """
 from __future__ import annotations
@@ -24,12 +25,15 @@ from gguf import GGMLQuantizationType as Q
 
 # (hidden, intermediate, layers, heads, kv heads, vocab): TinyLlama-1.1B
 SHAPES = {"tinyllama": (2048, 5632, 22, 32, 4, 32000)}
-D_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q4_0: (0,), Q.Q5_0: (0,)}  # where each block's fp16 d (and Q4_K's dmin) lie
-# each type's d: a 6-bit scale times a 4- / 6-bit quant (K-quants), a 4- / 5-bit quant alone (Q4_0, Q5_0): |w| up to
-# ~0.1
-D_RANGE = {Q.Q4_K: (0.0002, 0.0008), Q.Q6_K: (0.0002, 0.0008), Q.Q4_0: (0.004, 0.012), Q.Q5_0: (0.002, 0.006)}
+# where each block's fp16 d (and Q4_K's dmin) lie
+D_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,)}
+# each type's d: a 6-bit scale times a 4- / 6-bit quant (K-quants), a 4- / 5- / 8-bit quant alone (Q4_0, Q5_0, Q8_0):
+# |w| up to ~0.1
+D_RANGE = {Q.Q4_K: (0.0002, 0.0008), Q.Q6_K: (0.0002, 0.0008), Q.Q4_0: (0.004, 0.012), Q.Q5_0: (0.002, 0.006),
+           Q.Q8_0: (0.0002, 0.0008)}
 # --mix: (embeddings, q / k / o / gate / up, v and down)
-MIXES = {"q4_k_m": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "q4_0": (Q.Q4_0, Q.Q4_0, Q.Q4_0), "q5_0": (Q.Q5_0, Q.Q5_0, Q.Q5_0)}
+MIXES = {"q4_k_m": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "q4_0": (Q.Q4_0, Q.Q4_0, Q.Q4_0), "q5_0": (Q.Q5_0, Q.Q5_0, Q.Q5_0),
+         "q8_0": (Q.Q8_0, Q.Q8_0, Q.Q8_0)}
 
 
 def blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
@@ -38,6 +42,10 @@ def blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarr
     for i, at in enumerate(D_AT[qtype]):
         scale = rng.uniform(*D_RANGE[qtype], (raw.shape[0], 1)) * (1 if i == 0 else 2)
         raw[:, at:at + 2] = scale.astype(np.float16).view(np.uint8)
+    if qtype == Q.Q8_0:
+        q = raw[:, 2:].view(np.int8)
+        np.clip(q, -127, 127, out=q)
+        q[:, 0] = 127
     return raw.reshape(rows, cols // per * size)
 
 

@@ -309,8 +309,9 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
             got = (lin.gguf.dequantize() if not lin.gguf.pieces[0][0].qs.is_meta else
                    ungrouped(lin.gguf_int8[0], want.shape[0]).dequantize())
             assert torch.equal(got.bfloat16(), want)
-    # without AMX, with AVX512-VNNI: each layer linear whose int8 form passes the guard (4- to 6-bit, mixed parts
-    # too) takes it past 4 rows and drops its packed copy; the LM head keeps its exact logits
+    # without AMX, with AVX512-VNNI: each layer linear whose int8 form passes the guard (a step per column, else per
+    # 32-deep block; mixed parts too) takes it past 4 rows and drops its packed copy; the LM head keeps its exact
+    # logits
     int8 = model.fast_lm_head.kernels.vnni_int8 is not None
     taken = 0
     for i, layer in enumerate(model.layers):
@@ -319,7 +320,8 @@ def test_a_k_quant_file_takes_its_blocks(tmp_path):
             lin, src = layer.get_submodule(name), name.split(".")[0]
             keys = [hf_to_gguf_name(f"model.layers.{i}.{src}.{p}_proj.weight") for p in parts]
             q = GGUFWeight.cat([GGUFWeight.from_blocks(raw[k][0], torch.from_numpy(raw[k][1])) for k in keys])
-            passes = int8 and pack_vnni_int8(q, VNNI_INT8_MAX_EXCESS) is not None
+            passes = int8 and (pack_vnni_int8(q, VNNI_INT8_MAX_EXCESS) is not None
+                               or pack_vnni_int8(q, VNNI_INT8_MAX_EXCESS, per_block=True) is not None)
             assert (lin.vnni_int8 is not None) == passes, (i, name)
             if passes:
                 assert lin.amx_weight is None and lin.weight.is_meta

@@ -11,6 +11,9 @@ import dataclasses
 import pytest
 import torch
 
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.layers.linear import (GEMV_MAX_ROWS, VNNI_INT8_MAX_EXCESS, VNNI_INT8_MAX_K, CPULinear,
                                                   cpu_kernels)
@@ -31,14 +34,19 @@ def round_to_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(v * inv), step
 
 
-def int8_weight(q: GGUFWeight) -> torch.Tensor:
-    """The weight as the kernel holds it (fp32 [N, K]): its exact values rounded to int8 steps per output column."""
-    w8, step = round_to_int8(q.dequantize())
+def int8_weight(q: GGUFWeight | GGUFParts, per_block: bool = False) -> torch.Tensor:
+    """The weight as the kernel holds it (fp32 [N, K]): its exact values rounded to int8 steps per output column,
+    or per 32-deep block of it."""
+    w = q.dequantize()
+    if per_block:
+        w8, step = round_to_int8(w.view(w.shape[0], -1, 32))
+        return (w8 * step).view(w.shape)
+    w8, step = round_to_int8(w)
     return w8 * step
 
 
 def int8_math(x: torch.Tensor, q: GGUFWeight, bias: torch.Tensor | None = None,
-              channels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              channels: torch.Tensor | None = None, per_block: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, sum of |terms|) in fp64: x rounded to int8 per row against int8_weight; the outlier channels (if any)
     zeroed before x is quantized and then taken as they are."""
     xz = x.clone()
@@ -48,36 +56,44 @@ def int8_math(x: torch.Tensor, q: GGUFWeight, bias: torch.Tensor | None = None,
     xd = (xq * d).double()
     if channels is not None:
         xd[:, channels.long()] = x[:, channels.long()].double()
-    w = int8_weight(q).double()
+    w = int8_weight(q, per_block).double()
     y, size = xd @ w.t(), xd.abs() @ w.abs().t()
     if bias is not None:
         y, size = y + bias.double(), size + bias.double().abs()
     return y, size
 
 
+@pytest.mark.parametrize("per_block", [False, True])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "parts"])
-def test_pack_vnni_int8_puts_each_weight_where_the_kernel_reads_it(kind):
+def test_pack_vnni_int8_puts_each_weight_where_the_kernel_reads_it(kind, per_block):
     # unpacked by hand: byte 4 n + e of row j of tile t, block b, holds column 16 t + n at depth 32 b + 4 j + e;
     # 40 columns: the third tile's last 8 columns are zeros. Every layout the blocks come in, and a fused weight of
-    # two (Q4_K_M's q and k in Q4_K, v in Q6_K), rows across the parts' boundary in one tile
+    # two (Q4_K_M's q and k in Q4_K, v in Q6_K), rows across the parts' boundary in one tile. A step per column, or
+    # per 32-deep block (scales [tile, block, 2, 16])
     if kind == "parts":
         q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 24, 256, seed=3)),
                             GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 16, 256, seed=4))])
         assert isinstance(q, GGUFParts)
     else:
         q = GGUFWeight.from_blocks(kind, random_blocks(kind, 40, 256, seed=3))
-    q8, sc, _ = pack_vnni_int8(q)
+    q8, sc, _ = pack_vnni_int8(q, per_block=per_block)
     assert q8.shape == (3, 8, 8, 64) and q8.dtype == torch.int8
-    assert sc.shape == (3, 2, 16) and sc.dtype == torch.float32
-    w8 = q8.view(3, 8, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 256).float()  # [t n, b j e]
-    step = sc[:, 0].reshape(48, 1)
-    offset = sc[:, 1].contiguous().view(torch.int32).reshape(48)
-    assert torch.equal((w8 * step)[:40], int8_weight(q)) and not w8[40:].any() and not step[40:].any()
-    assert torch.equal(offset, -128 * w8.sum(-1).int())
-    # each value at most half a step from the exact weight, each column's largest at +-127 steps
-    w = q.dequantize()
+    assert sc.shape == ((3, 8, 2, 16) if per_block else (3, 2, 16)) and sc.dtype == torch.float32
+    w8 = q8.view(3, 8, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(48, 8, 32).float()  # [t n, b, j e]
+    if per_block:  # [t, b, n] -> [t n, b, 1]
+        step, offset = (sc[:, :, i].permute(0, 2, 1).reshape(48, 8, 1) for i in (0, 1))
+        sums = w8.sum(-1)
+    else:
+        step, offset = (sc[:, i].reshape(48, 1, 1) for i in (0, 1))
+        sums = w8.sum((-2, -1))[:, None]
+    offset = offset.contiguous().view(torch.int32).reshape(48, -1)
+    assert torch.equal((w8 * step).view(48, 256)[:40], int8_weight(q, per_block))
+    assert not w8[40:].any() and not step[40:].any()
+    assert torch.equal(offset, -128 * sums.int())
+    # each value at most half a step from the exact weight, each column's (block's) largest at +-127 steps
+    w = q.dequantize().view(40, 8, 32)
     assert ((w8[:40] * step[:40] - w).abs() <= step[:40] * (0.5 + 2**-16)).all()
-    assert (w8[:40].abs().amax(-1) == 127).all()
+    assert ((w8[:40].abs().amax(-1) if per_block else w8[:40].abs().amax((-2, -1))) == 127).all()
 
 
 def test_pack_vnni_int8_in_pieces_is_the_same(monkeypatch):
@@ -98,7 +114,7 @@ def test_pack_vnni_int8_in_pieces_is_the_same(monkeypatch):
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 300])
 def test_the_int8_math_within_bf16_rounding(kind, rows):
     # plain with and without bias, N not a multiple of 32 (a lone 16-column tile, 8 padded columns), K = 1,536
@@ -107,12 +123,13 @@ def test_the_int8_math_within_bf16_rounding(kind, rows):
         q = GGUFWeight.from_blocks(kind, random_blocks(kind, n, k, seed=rows + n))
         x = torch.randn(rows, k + 32).bfloat16()[:, :k]
         for bias in (None, torch.randn(n).bfloat16()):
-            got = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
-            ops.vnni_int8_linear(x, *vnni_int8_form(q, 0), bias, got, False)
-            want, size = int8_math(x, q, bias)
-            # bf16's rounding of the result, and the exact int32 sum's conversion and products in fp32
-            assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-18 * size).all(), (n, k, bias is None)
-            assert got.abs().sum() > 0
+            for per_block in (False, True):  # a step per column, per 32-deep block
+                got = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+                ops.vnni_int8_linear(x, *vnni_int8_form(q, 0, per_block=per_block), bias, got, False)
+                want, size = int8_math(x, q, bias, per_block=per_block)
+                # bf16's rounding of the result, and the exact int32 sums' conversion and products in fp32
+                assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-18 * size).all(), (n, k, per_block)
+                assert got.abs().sum() > 0
 
 
 @needs_vnni
@@ -149,7 +166,8 @@ def test_x_is_rounded_per_row_ties_to_even():
 
 
 @needs_vnni
-def test_outlier_channels_are_chosen_once_and_taken_exactly():
+@pytest.mark.parametrize("per_block", [False, True])
+def test_outlier_channels_are_chosen_once_and_taken_exactly(per_block):
     # x with 3 channels ~100x the rest: the first call picks the INT8_OUTLIER_CHANNELS channels of largest |x| over
     # its rows (the 3 among them), writes the weight's values there (its int8 form's), and every later call,
     # whatever its rows, keeps that choice; each output is the int8 math with those channels taken as they are.
@@ -157,7 +175,7 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
     # product is ~10x (0.66 against 0.066; x rounded per row here, the weight to int8 in both).
     k, n = 512, 96
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=5))
-    form = vnni_int8_form(q)
+    form = vnni_int8_form(q, per_block=per_block)
     _, _, channels, wc = form
     assert channels.tolist() == [-1] * INT8_OUTLIER_CHANNELS
     hot = [7, 200, 511]
@@ -169,12 +187,12 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
     top = x.float().abs().amax(0)
     want_channels = sorted(torch.sort(top, descending=True, stable=True).indices[:INT8_OUTLIER_CHANNELS].tolist())
     assert channels.tolist() == want_channels and set(hot) <= set(want_channels)
-    assert torch.equal(wc[:, :n], int8_weight(q)[:, channels.long()].t())
-    want, size = int8_math(x, q, channels=channels)
+    assert torch.equal(wc[:, :n], int8_weight(q, per_block)[:, channels.long()].t())
+    want, size = int8_math(x, q, channels=channels, per_block=per_block)
     err = (got.double() - want).abs()
     assert (err <= 2**-8 * want.abs() + 2**-18 * size).all()
     plain = torch.empty(40, n, dtype=torch.bfloat16)
-    ops.vnni_int8_linear(x, *vnni_int8_form(q, 0), None, plain, False)
+    ops.vnni_int8_linear(x, *vnni_int8_form(q, 0, per_block=per_block), None, plain, False)
     exact = x.double() @ q.dequantize().double().t()
     assert (plain.double() - exact).abs().mean() > 4 * (got.double() - exact).abs().mean()
     # a later call of other rows keeps the choice; a row's output does not depend on the rows beside it
@@ -188,14 +206,15 @@ def test_outlier_channels_are_chosen_once_and_taken_exactly():
 
 
 @needs_vnni
+@pytest.mark.parametrize("per_block", [False, True])
 @pytest.mark.parametrize("rows", [5, 64, 300])
-def test_silu_mul_is_the_two_steps_bit_for_bit(rows):
+def test_silu_mul_is_the_two_steps_bit_for_bit(rows, per_block):
     q = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 96, 512, seed=rows))  # gate | up, 48 each
     x = torch.randn(rows, 512).bfloat16()
     bias = torch.randn(96).bfloat16()
     for b in (None, bias):
         got = torch.full((rows, 48), float("nan"), dtype=torch.bfloat16)
-        form = vnni_int8_form(q)
+        form = vnni_int8_form(q, per_block=per_block)
         ops.vnni_int8_linear(x, *form, b, got, True)
         full = torch.empty(rows, 96, dtype=torch.bfloat16)
         ops.vnni_int8_linear(x, *form, b, full, False)
@@ -333,7 +352,7 @@ def test_cpu_linear_routes_past_gemv_rows_to_it():
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0", "parts"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0", "Q8_0", "parts"])
 def test_a_weight_of_5_to_8_bits_takes_it_past_the_few_rows(kind):
     # 5- to 8-bit weights, and a fused weight with such a part, take the int8 form past GEMV_MAX_ROWS as 4-bit ones
     # do (where the guard lets them), and their blocks up to it: the exact kernel, or for a 4-bit part its own;
@@ -343,12 +362,20 @@ def test_a_weight_of_5_to_8_bits_takes_it_past_the_few_rows(kind):
     if kind == "parts":
         q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 64, 256, seed=1)),
                             GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", 32, 256, seed=2))])
+    elif kind == "Q8_0":  # as llama.cpp writes it (random quants need not reach +-127 in a block)
+        w = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)) * 0.05
+        raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+        q = GGUFWeight.from_blocks("Q8_0", torch.from_numpy(raw.view("uint8").reshape(96, -1)))
     else:
         q = GGUFWeight.from_blocks(kind, random_blocks(kind, 96, 256, seed=2))
-    assert pack_vnni_int8(q)[2] < VNNI_INT8_MAX_EXCESS
+    # Q8_0: a step per column is far too coarse, one per 32-deep block is not
+    per_block = kind == "Q8_0"
+    assert (pack_vnni_int8(q)[2] < VNNI_INT8_MAX_EXCESS) != per_block
+    assert pack_vnni_int8(q, per_block=True)[2] < VNNI_INT8_MAX_EXCESS
     w = q.dequantize().bfloat16()
     lin = CPULinear(w, None, kernels, q)
     assert lin.vnni_int8 is not None and lin.amx_weight is None and lin.weight.is_meta
+    assert lin.vnni_int8[1].dim() == (4 if per_block else 3)
     assert not any(piece.qs.is_meta for piece, _ in lin.gguf.pieces)  # a piece without a few-row int8 form
     assert [f is not None for f in lin.gguf_int8] == [p.kind == "q4_1" for p, _ in q.pieces]
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):
@@ -368,10 +395,10 @@ def test_a_weight_of_5_to_8_bits_takes_it_past_the_few_rows(kind):
     assert head.set_gguf(q, int8_form=False) and head.vnni_int8 is None and head.amx_weight is not None
 
 
-def excess_by_hand(q: GGUFWeight | GGUFParts) -> float:
+def excess_by_hand(q: GGUFWeight | GGUFParts, per_block: bool = False) -> float:
     """The worst column's squared error added by int8_weight over the file's own rounding (d^2 / 12 a weight, d the
     step of its block: of its 16 weights for Q6_K)."""
-    added = (int8_weight(q).double() - q.dequantize().double()).square().sum(-1)
+    added = (int8_weight(q, per_block).double() - q.dequantize().double()).square().sum(-1)
     own = []
     for part, _ in q.pieces:
         d = part.scales.double() if part.kind == "q8_2" else part.scales[..., :1].double()
@@ -395,29 +422,54 @@ def test_the_excess_is_measured_against_each_layouts_own_steps(kind):
     assert pack_vnni_int8(q, max_excess=excess * 0.999) is None
     if kind == "Q8_0":
         assert excess > 1 and vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS) is None
+    # with a step per 32-deep block too
+    by_block = pack_vnni_int8(q, per_block=True)[2]
+    assert by_block == pytest.approx(excess_by_hand(q, per_block=True), rel=1e-4, abs=1e-9)
+
+
+def test_a_step_per_block_holds_a_q8_0_files_values_exactly():
+    # gguf's (llama.cpp's) Q8_0 quantizer sets a block's d to max|w| / 127, so its largest quant is +-127: the int8
+    # form with a step per block is then d itself, and its values the file's quants, no rounding added
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) * 0.05
+    raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    q = GGUFWeight.from_blocks("Q8_0", torch.from_numpy(raw.view("uint8").reshape(64, -1)))
+    q8, sc, excess = pack_vnni_int8(q, per_block=True)
+    assert excess < 1e-9 and pack_vnni_int8(q)[2] > 1  # (fp32 residue of w * (1 / s): the values are exact)
+    w8 = q8.view(4, 16, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(64, 16, 32)  # [t n, b, j e]
+    assert torch.equal(w8, q.qs.view(64, 16, 32))
+    assert torch.equal(sc[:, :, 0].permute(0, 2, 1).reshape(64, 16), q.scales[..., 0])
 
 
 @needs_vnni
-def test_a_column_made_coarse_by_one_outlying_block_keeps_the_bf16_paths():
+def test_a_column_made_coarse_takes_a_step_per_block_or_the_bf16_paths():
     # The int8 form's step is a column's max|w| / 127: a block of large values (here constant: d = 0, m = 40, where
     # the others' d are at most 0.028) coarsens the whole column past its 4-bit steps. pack_vnni_int8 measures that
-    # (its excess as computed by hand), and CPULinear keeps such a weight on the dot-product kernel's bf16 path.
+    # (its excess as computed by hand), and CPULinear takes a step per 32-deep block for such a weight, where the
+    # block's own values set it (a constant block: exact). A block whose values sit far from zero against their
+    # spread (d = 0.01, m = 40) is coarse even so: that weight keeps the dot-product kernel's bf16 path.
     kernels = cpu_kernels(NoAmx(), torch.bfloat16)
     raw = random_blocks("Q4_1", 96, 256, seed=5)
     fine = GGUFWeight.from_blocks("Q4_1", raw)
-    raw = raw.clone()
-    raw.view(96, 8, 20)[5, 3, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
-    coarse = GGUFWeight.from_blocks("Q4_1", raw)
-    excess = [pack_vnni_int8(q)[2] for q in (fine, coarse)]
-    assert excess == [pytest.approx(excess_by_hand(q), rel=1e-4) for q in (fine, coarse)]
-    assert excess[0] < 0.2 < VNNI_INT8_MAX_EXCESS < 10 < excess[1]
+    weights = [fine]
+    for d in (0.0, 0.01):
+        bad = raw.clone()
+        bad.view(96, 8, 20)[5, 3, :4] = torch.tensor([d, 40.0]).half().view(torch.uint8)
+        weights.append(GGUFWeight.from_blocks("Q4_1", bad))
+    fine, coarse, offset = weights
+    excess = [pack_vnni_int8(q)[2] for q in weights]
+    assert excess == [pytest.approx(excess_by_hand(q), rel=1e-4) for q in weights]
+    assert excess[0] < 0.2 < VNNI_INT8_MAX_EXCESS < 10 < min(excess[1:])
+    by_block = [pack_vnni_int8(q, per_block=True)[2] for q in weights]
+    assert by_block == [pytest.approx(excess_by_hand(q, per_block=True), rel=1e-4, abs=1e-9) for q in weights]
+    assert by_block[1] < VNNI_INT8_MAX_EXCESS < 10 < by_block[2]
     assert vnni_int8_form(coarse, max_excess=VNNI_INT8_MAX_EXCESS) is None and vnni_int8_form(coarse) is not None
     x = torch.randn(64, 256).bfloat16()
-    for q, int8 in ((fine, True), (coarse, False)):
+    for q, form in ((fine, 3), (coarse, 4), (offset, None)):  # the int8 form's scales: a step per column / block
         w = q.dequantize().bfloat16()
         lin, bf16 = CPULinear(w, None, kernels), CPULinear(w, None, dataclasses.replace(kernels, vnni_int8=None))
-        assert lin.set_gguf(q) and bf16.set_gguf(q) and (lin.vnni_int8 is not None) == int8
-        assert torch.equal(lin(x), bf16(x)) != int8
+        assert lin.set_gguf(q) and bf16.set_gguf(q)
+        assert (None if lin.vnni_int8 is None else lin.vnni_int8[1].dim()) == form
+        assert torch.equal(lin(x), bf16(x)) == (form is None)
 
 
 def int8_engine(gguf_path, **kw):

@@ -260,45 +260,54 @@ class GGUFParts:
         return self._rows(r0, r1, "_rounding_error_rows")
 
 
-def pack_vnni_int8(q: GGUFWeight | GGUFParts,
-                   max_excess: float = math.inf) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf,
+                   per_block: bool = False) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """A GGUF weight of any layout (or a fused one of mixed layouts) as the int8 dot-product kernel takes it
     (``csrc/vnni_int8_linear_cpu.cpp``): each output column's exact values rounded to int8 steps of s = max|w| /
-    127 over the column (nearest, ties to even; at most s / 2 off), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e
-    of row j of block b holding column n's value at depth 32 b + 4 j + e (one VPDPBUSD operand); fp32
-    [ceil(N/16), 2, 16]: the 16 columns' s, then the bits of their int32 offsets, -128 times the column's sum of
-    int8 values. Columns past N: zeros. Third: the worst column's excess, the squared error the int8 rounding
-    adds over the column divided by the file's own rounding's (``_rounding_error_rows``): a guard against a
-    column whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016
-    over whole weights, at most 0.36 in one column), and against a file whose own steps are finer than any one
-    step per column can follow (Q8_0's 127 per 32 weights: always over 1). None as soon as a column's excess is
-    over max_excess. Made a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
+    127 over the column, or with per_block over each 32-deep block of it (nearest, ties to even; at most s / 2
+    off), int8 [ceil(N/16), K/32, 8, 64], byte 4 n + e of row j of block b holding column n's value at depth
+    32 b + 4 j + e (one VPDPBUSD operand); fp32 [ceil(N/16), 2, 16] (per_block: [ceil(N/16), K/32, 2, 16], a
+    block's): the 16 columns' s, then the bits of their int32 offsets, -128 times the column's (block's) sum of
+    int8 values. Columns past N: zeros. Third: the worst column's excess, the squared error the int8 rounding adds
+    over the column divided by the file's own rounding's (``_rounding_error_rows``): a guard against a column
+    whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016 over
+    whole weights, at most 0.36 in one column), and against a file whose own steps are finer than one step per
+    column can follow (Q8_0's 127 per 32 weights: always over 1 per column; per block its values exactly, 0).
+    None as soon as a column's excess is over max_excess. Made a few MB of fp32 at a time (see
+    GGUFWeight.dequantize)."""
     n, k = q.shape
     kc = k // 32
+    group = 32 if per_block else k  # the weights one step covers
     tiles = -(-n // 16)
     packed = torch.empty(tiles, kc, 8, 64, dtype=torch.int8)
-    out = torch.empty(tiles, 2, 16, dtype=torch.float32)
+    out = torch.empty((tiles, kc, 2, 16) if per_block else (tiles, 2, 16), dtype=torch.float32)
     excess = 0.0
     chunk = max(1, DEQUANT_FLOATS // (16 * k))  # tiles a chunk
     t0, size = 0, 1  # one tile first: a weight whose steps are too fine for the form (Q8_0) is told at once
     while t0 < tiles:
         t1 = min(tiles, t0 + size)
         r0, r1 = 16 * t0, min(n, 16 * t1)  # the chunk's real columns (at least one)
-        real = r1 - r0
-        w = torch.zeros((t1 - t0) * 16, k)
+        real, cols = r1 - r0, (t1 - t0) * 16
+        w = torch.zeros(cols, k)
         w[:real] = q._dequantize_rows(r0, r1)
+        w = w.view(cols, k // group, group)
         step = w.abs().amax(-1, keepdim=True) / 127
         inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
         steps = w.mul_(inv)  # w in steps, in place
         w8f = torch.round(steps)
-        added = steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, 0].square()
+        added = (steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, :, 0].square()).sum(-1)
         own = q._rounding_error_rows(r0, r1)
         excess = max(excess, torch.where(added > 0, added / own, torch.zeros_like(added)).max().item())
         if excess > max_excess:
             return None
         w8 = w8f.clamp_(-127, 127).to(torch.int8)
-        out[t0:t1, 0] = step.view(t1 - t0, 16)
-        out[t0:t1, 1].view(torch.int32).copy_((-128 * w8.sum(-1, dtype=torch.int32)).view(t1 - t0, 16))
+        offsets = -128 * w8.sum(-1, dtype=torch.int32)  # [cols, groups]
+        if per_block:
+            out[t0:t1, :, 0] = step.view(t1 - t0, 16, kc).permute(0, 2, 1)
+            out[t0:t1, :, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16, kc).permute(0, 2, 1))
+        else:
+            out[t0:t1, 0] = step.view(t1 - t0, 16)
+            out[t0:t1, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16))
         packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
         t0, size = t1, chunk
     return packed, out, excess

@@ -39,12 +39,13 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_int8_form(q: GGUFWeight | GGUFParts, outliers: int = INT8_OUTLIER_CHANNELS,
-                   max_excess: float = math.inf) -> tuple[torch.Tensor, ...] | None:
+                   max_excess: float = math.inf, per_block: bool = False) -> tuple[torch.Tensor, ...] | None:
     """vnni_int8_linear's operands for a GGUF weight of any layout, or a fused one of mixed layouts: its int8
-    values and steps (``quantized.pack_vnni_int8``), and room for ``outliers`` channels kept out of x's int8
-    values (int32 [P], -1 until the kernel's first call chooses them) with the weight's values there (fp32
-    [P, ceil(N/16) * 16]). None where the int8 form's excess error in some column is over max_excess."""
-    packed = pack_vnni_int8(q, max_excess)
+    values and steps (``quantized.pack_vnni_int8``: a step per output column, or per 32-deep block), and room for
+    ``outliers`` channels kept out of x's int8 values (int32 [P], -1 until the kernel's first call chooses them)
+    with the weight's values there (fp32 [P, ceil(N/16) * 16]). None where the int8 form's excess error in some
+    column is over max_excess."""
+    packed = pack_vnni_int8(q, max_excess, per_block)
     if packed is None:
         return None
     q8, scales, _ = packed

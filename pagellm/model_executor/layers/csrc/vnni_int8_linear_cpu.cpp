@@ -37,9 +37,17 @@
 // loop, takes the same one and a row's output does not depend on the other rows of its call; the engine makes the
 // first call a fixed prompt's (LLMEngine.choose_int8_outliers), so it is the same in every engine of a model.
 //
+// A step per 32-deep block instead (scales [N/16][K/32][2][16]): s[n,b] = max|w| / 127 over the block, and
+//   y[r][n] = dx[r] * sum_b s[n,b] * I_b[r][n],
+// each block's int32 sums from its own offset, converted and added in fp32 block by block (a conversion and a
+// multiply-add per 8 VPDPBUSD: the 120 layer linears took ~1.13x a step per column's time when the 4-bit weights
+// ran so, 2026-12-06). For a file whose own steps are finer than one per column can follow (Q8_0: this form holds
+// its values exactly; Q6_K), where the per-column form's guard turns the weight down.
+//
 // Layout (layers/quantized.py: pack_vnni_int8): q8 int8 [N/16][K/32][8][64]: row j of a block holds, at byte 4 n + e,
 // column n's w8 at depth 4 j + e (one VPDPBUSD operand: 16 columns x 4 depths); scales fp32 [N/16][2][16]: the 16
-// columns' s, then the bits of their int32 offsets. Columns past N (N % 16) have w8 = s = 0.
+// columns' s, then the bits of their int32 offsets (a step per block: [N/16][K/32][2][16], the block's). Columns
+// past N (N % 16) have w8 = s = 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -78,6 +86,8 @@ struct Gemm {
   int64_t ldx, M, K, N;  // N: out's columns (silu: the intermediate size; the weight has 2N)
   const int8_t* w8;
   const float* scales;
+  bool per_block;       // scales [N/16][K/32][2][16] (a step per 32-deep block), else [N/16][2][16]
+  int64_t tile_scales;  // floats of scales a 16-column tile holds: K/32 * 32, or 32
   const bf16* bias;
   bf16* y;
   int64_t ldy;
@@ -116,9 +126,11 @@ void choose_outliers(const Gemm& g, int32_t* chan, float* wc) {
   const int64_t KB = g.K / 32, tiles = g.ldwc / 16;
   for (int64_t p = 0; p < g.P; ++p) {
     const int64_t c = chan[p], b = c / 32, j = c % 32 / 4, e = c % 4;
-    for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float* s = g.scales + t * g.tile_scales + (g.per_block ? b * 32 : 0);
       for (int64_t n = 0; n < 16; ++n)
-        wc[p * g.ldwc + t * 16 + n] = g.scales[t * 32 + n] * g.w8[((t * KB + b) * 8 + j) * 64 + 4 * n + e];
+        wc[p * g.ldwc + t * 16 + n] = s[n] * g.w8[((t * KB + b) * 8 + j) * 64 + 4 * n + e];
+    }
   }
 }
 
@@ -166,23 +178,30 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
 }
 
 // f [R][NT * 16] = rows xu[0 .. R) (stride K) against NT 16-column tiles w[t] (their [K/32][8][64] int8 values,
-// s[t] their [2][16] steps and offsets), times the rows' dx, then plus the P outlier channels' products: xo [R][P]
-// times wc[t] (stride ldwc).
+// s[t] their [2][16] steps and offsets; PB: [K/32][2][16], a block's), times the rows' dx, then plus the P outlier
+// channels' products: xo [R][P] times wc[t] (stride ldwc).
 // The int32 sums start from the columns' offsets, -128 times the column's sum of values, so that they come out
 // exact as the sums of x's int8 values (not plus 128) times the weight's, and run the whole depth: nothing but
-// VPDPBUSD, the loads and prefetches in the loop.
+// VPDPBUSD, the loads and prefetches in the loop (PB: they run a block, from its offset, and join fp32 sums times
+// its step).
 // Each 4-deep step also prefetches its tiles' row one 32-deep block ahead (K = 1,536: a 32-column panel is 48 KiB,
 // more than L1 holds, so each call reads it from L2) and one line of pf, the next column block's panels.
-template <int R, int NT>
+template <int R, int NT, bool PB>
 void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w, const float* const* s,
            const float* xo, int64_t P, const float* const* wc, int64_t ldwc, float* f, NextPanels* pf) {
   const int64_t KB = K / 32;
   __m512i isum[R][NT];
+  __m512 acc[R][NT];
   for (int t = 0; t < NT; ++t) {
     const __m512i offset = _mm512_loadu_si512(s[t] + 16);
-    for (int r = 0; r < R; ++r) isum[r][t] = offset;
+    for (int r = 0; r < R; ++r) isum[r][t] = offset, acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < KB; ++b) {
+    if (PB && b > 0)
+      for (int t = 0; t < NT; ++t) {
+        const __m512i offset = _mm512_loadu_si512(s[t] + b * 32 + 16);
+        for (int r = 0; r < R; ++r) isum[r][t] = offset;
+      }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m512i wv[NT];
@@ -196,12 +215,18 @@ void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w
         for (int t = 0; t < NT; ++t) isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], xb, wv[t]);
       }
     }
+    if (PB)
+      for (int t = 0; t < NT; ++t) {
+        const __m512 step = _mm512_loadu_ps(s[t] + b * 32);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][t]), step, acc[r][t]);
+      }
   }
-  __m512 acc[R][NT];
   for (int t = 0; t < NT; ++t) {
     const __m512 step = _mm512_loadu_ps(s[t]);
-    for (int r = 0; r < R; ++r)
-      acc[r][t] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), step), _mm512_set1_ps(dx[r]));
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = PB ? acc[r][t] : _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][t]), step);
+      acc[r][t] = _mm512_mul_ps(v, _mm512_set1_ps(dx[r]));
+    }
   }
   for (int64_t p = 0; p < P; ++p)
     for (int t = 0; t < NT; ++t) {
@@ -212,32 +237,38 @@ void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(f + r * NT * 16 + t * 16, acc[r][t]);
 }
 
-template <int NT, typename... A>
+template <int NT, bool PB, typename... A>
 void micro_rows(int R, A... a) {
   switch (R) {
-    case 6: micro<6, NT>(a...); break;
-    case 5: micro<5, NT>(a...); break;
-    case 4: micro<4, NT>(a...); break;
-    case 3: micro<3, NT>(a...); break;
-    case 2: micro<2, NT>(a...); break;
-    default: micro<1, NT>(a...); break;
+    case 6: micro<6, NT, PB>(a...); break;
+    case 5: micro<5, NT, PB>(a...); break;
+    case 4: micro<4, NT, PB>(a...); break;
+    case 3: micro<3, NT, PB>(a...); break;
+    case 2: micro<2, NT, PB>(a...); break;
+    default: micro<1, NT, PB>(a...); break;
   }
+}
+
+template <int NT, typename... A>
+void micro_rows(bool per_block, int R, A... a) {
+  if (per_block) micro_rows<NT, true>(R, a...);
+  else micro_rows<NT, false>(R, a...);
 }
 
 // The fp32 sums of rows [r, r + R) against the 1-2 tiles from tile t0 into f [R][32] (row stride 32).
 void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels& pf) {
   const int64_t KB = g.K / 32;
   const int8_t* w[2] = {g.w8 + t0 * KB * 512, g.w8 + (t0 + nt - 1) * KB * 512};
-  const float* s[2] = {g.scales + t0 * 32, g.scales + (t0 + nt - 1) * 32};
+  const float* s[2] = {g.scales + t0 * g.tile_scales, g.scales + (t0 + nt - 1) * g.tile_scales};
   const float* wc[2] = {g.wc + t0 * 16, g.wc + (t0 + nt - 1) * 16};
   alignas(64) float tmp[kMR * 32];
   const uint8_t* xu = g.xu + r * g.K;
   const float *dx = g.dx + r, *xo = g.xo + r * g.P;
   if (nt == 2) {
-    micro_rows<2>(R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, f, &pf);
+    micro_rows<2>(g.per_block, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, f, &pf);
     return;
   }
-  micro_rows<1>(R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, &pf);
+  micro_rows<1>(g.per_block, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, &pf);
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(f + i * 32, _mm512_loadu_ps(tmp + i * 16));
 }
 
@@ -247,7 +278,7 @@ void add_panels(const Gemm& g, int64_t n0, NextPanels& pf) {
   for (int64_t t = t0; t < t0 + nt; ++t)
     for (const int64_t u : {t, t + g.N / 16}) {
       pf.add(g.w8 + u * KB * 512, KB * 512);
-      pf.add(g.scales + u * 32, 32 * sizeof(float));
+      pf.add(g.scales + u * g.tile_scales, g.tile_scales * sizeof(float));
       if (!g.silu) break;
     }
 }
@@ -321,10 +352,10 @@ bool vnni_int8_linear_supported() {
 #endif
 }
 
-// out = x W^T (+ bias), or, silu_mul, out = silu(gate) * up of [gate | up] = x W^T (+ bias), W a 4-bit weight's
-// int8 form in q8 / scales (the layout above); x, out, bias bf16. channels (int32 [P], P <= K) and wc (fp32
-// [P, N/16 * 16]): the weight's outlier channels and its values there, which the first call chooses and writes
-// (channels[0] < 0 until then; P = 0: none).
+// out = x W^T (+ bias), or, silu_mul, out = silu(gate) * up of [gate | up] = x W^T (+ bias), W a GGUF weight's
+// int8 form in q8 / scales (the layout above: a step per column, or per block where scales has four dimensions);
+// x, out, bias bf16. channels (int32 [P], P <= K) and wc (fp32 [P, N/16 * 16]): the weight's outlier channels and
+// its values there, which the first call chooses and writes (channels[0] < 0 until then; P = 0: none).
 void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scales, at::Tensor channels,
                       at::Tensor wc, const c10::optional<at::Tensor>& bias, at::Tensor out, bool silu_mul) {
   TORCH_CHECK(vnni_int8_linear_supported(), "vnni_int8_linear needs AVX512-VNNI and AVX512-BW");
@@ -335,9 +366,12 @@ void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tenso
               q8.size(3) == 64 && q8.size(1) * 32 == x.size(1), "q8: int8 [N/16, K/32, 8, 64]");
   TORCH_CHECK(x.size(1) <= kMaxK, "vnni_int8_linear: K = ", x.size(1), " is over ", kMaxK,
               ", past which the int32 sums could overflow");
-  TORCH_CHECK(scales.dim() == 3 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-              scales.size(0) == w_tiles && scales.size(1) == 2 && scales.size(2) == 16,
-              "scales: float32 [N/16, 2, 16]");
+  const bool per_block = scales.dim() == 4;
+  TORCH_CHECK((scales.dim() == 3 || per_block) && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+              scales.size(0) == w_tiles &&
+              (per_block ? scales.size(1) == q8.size(1) && scales.size(2) == 2 && scales.size(3) == 16
+                         : scales.size(1) == 2 && scales.size(2) == 16),
+              "scales: float32 [N/16, 2, 16], or [N/16, K/32, 2, 16]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out: bfloat16");
   const int64_t P = channels.numel();
   TORCH_CHECK(channels.dim() == 1 && channels.is_contiguous() && channels.scalar_type() == at::kInt &&
@@ -351,7 +385,7 @@ void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tenso
   at::Tensor xo = at::empty({M, std::max<int64_t>(P, 1)}, x.options().dtype(at::kFloat));
   int32_t* chan = channels.data_ptr<int32_t>();
   Gemm g{reinterpret_cast<const bf16*>(x.data_ptr()), x.stride(0), M, K, N,
-         q8.data_ptr<int8_t>(), scales.data_ptr<float>(),
+         q8.data_ptr<int8_t>(), scales.data_ptr<float>(), per_block, per_block ? q8.size(1) * 32 : 32,
          bias.has_value() && bias->defined() ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr,
          reinterpret_cast<bf16*>(out.data_ptr()), out.stride(0), silu_mul, xu.data_ptr<uint8_t>(),
          dx.data_ptr<float>(), P, chan, wc.data_ptr<float>(), w_tiles * 16,

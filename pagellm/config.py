@@ -134,9 +134,10 @@ class EngineConfig:
     # (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K: 6-10 bits a weight against bf16's 16) as the exact fp32 weights
     # (layers/quantized.py). False: the dequantized bf16 weights only
     gguf_quantized_linears: bool = True
-    # ... and on CPUs with AVX512-VNNI but no AMX, layer linears with more rows take int8 dot products (4-bit
-    # weights, and 5- or 6-bit ones whose int8 form adds under half the file's own rounding error in every output
-    # column): the weight's values rounded to int8 per output column (at most max|w| / 254 off), x to
+    # ... and on CPUs with AVX512-VNNI but no AMX, layer linears with more rows take int8 dot products (any GGUF
+    # type whose int8 form adds under half the file's own rounding error in every output column): the weight's
+    # values rounded to int8 per output column, or per 32-deep block for finer types such as Q8_0 and Q6_K (at
+    # most max|w| / 254 off), x to
     # int8 per row, as vLLM's int8 linears (per-channel weights, dynamic per-token activations; at most max|x| /
     # 254, 8 outlier channels per weight taken exactly), for twice the products per instruction on Zen 4 and four
     # times fp32's on Intel (csrc/vnni_int8_linear_cpu.cpp); and up to 4 rows (decode with a few requests), on CPUs

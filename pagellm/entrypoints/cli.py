@@ -27,8 +27,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gguf-int8-activations", dest="gguf_int8_activations", action="store_false",
                    help="bf16 from a GGUF file on CPUs with AVX512-VNNI but no AMX: linears keep bf16 inputs (by "
                         "default, past 4 rows, they take int8 dot products: the weight rounded to int8 per output "
-                        "column, x per row, as vLLM's dynamic per-token int8 linears; and up to 4 rows a 4-bit "
-                        "weight's nibbles meet x in int8, on AVX2 too)")
+                        "column or 32-deep block, x per row, as vLLM's dynamic per-token int8 linears; and up to 4 "
+                        "rows a 4-bit weight's nibbles meet x in int8, on AVX2 too)")
     p.add_argument("--no-attention-aware-budget", dest="attention_aware_budget", action="store_false",
                    help="every token counts one against --max-num-batched-tokens (by default a prefill chunk's "
                         "attention counts too, so chunks deep into long prompts shrink)")

@@ -137,13 +137,12 @@ class EngineConfig:
     # ... and on CPUs with AVX512-VNNI but no AMX, layer linears with more rows take int8 dot products (any GGUF
     # type whose int8 form adds under half the file's own rounding error in every output column): the weight's
     # values rounded to int8 per output column, or per 32-deep block for finer types such as Q8_0 and Q6_K (at
-    # most max|w| / 254 off), x to
-    # int8 per row, as vLLM's int8 linears (per-channel weights, dynamic per-token activations; at most max|x| /
-    # 254, 8 outlier channels per weight taken exactly), for twice the products per instruction on Zen 4 and four
-    # times fp32's on Intel (csrc/vnni_int8_linear_cpu.cpp); and up to 4 rows (decode with a few requests), on CPUs
-    # with AVX512-VNNI or AVX2, the 4-bit weight's own nibbles meet x rounded to int8 per 16 values (8 outlier
-    # channels per weight taken exactly), where the blocks turned into fp32 cost more than their bytes
-    # (csrc/gguf_int8_linear_cpu.cpp). False: bf16 x throughout
+    # most max|w| / 254 off), x to int8 per row, as vLLM's int8 linears (per-channel weights, dynamic per-token
+    # activations; at most max|x| / 254, 8 outlier channels per weight taken exactly), for twice the products per
+    # instruction on Zen 4 and four times fp32's on Intel (csrc/vnni_int8_linear_cpu.cpp); and up to 4 rows
+    # (decode with a few requests), on CPUs with AVX512-VNNI or AVX2, the 4-bit weight's own nibbles meet x rounded
+    # to int8 per 16 values (8 outlier channels per weight taken exactly), where the blocks turned into fp32 cost
+    # more than their bytes (csrc/gguf_int8_linear_cpu.cpp). False: bf16 x throughout
     gguf_int8_activations: bool = True
     # With chunked prefill, max_num_batched_tokens also counts a prefill chunk's attention: a token attending to c
     # earlier ones costs 1 + c / A, A the keys whose attention costs one token's linear FLOPs (3,072 for SmolLM2-

@@ -1,6 +1,7 @@
-"""The int8 dot-product linear on a 4-bit GGUF weight (csrc/vnni_int8_linear_cpu.cpp: vnni_int8_linear;
+"""The int8 dot-product linear on a GGUF weight (csrc/vnni_int8_linear_cpu.cpp: vnni_int8_linear;
 layers/quantized.py: pack_vnni_int8), for CPUs with AVX512-VNNI but no AMX: the weight's values rounded to int8 per
-output column (s = max|w| / 127), x to int8 per row (dx = max|x| / 127), both ties to even, int32 sums. Its output
+output column (s = max|w| / 127) or per 32-deep block of it, x to int8 per row (dx = max|x| / 127), both ties to
+even, int32 sums. Its output
 must be that math's within bf16's rounding, x's int8 values exactly those described, the silu form the two steps
 bit for bit, and the engine must route more than GEMV_MAX_ROWS rows to it where it is enabled. AMX machines run it
 too (the engine only picks it without AMX), so these tests run wherever the CPU has AVX512-VNNI."""
@@ -264,13 +265,21 @@ def test_bad_operands_get_clear_errors():
         ops.vnni_int8_linear(x, q8, sc, torch.tensor([5, 3] + [-1] * (len(ch) - 2), dtype=torch.int32), wc, None,
                              out, False)
     assert (ch == -1).all()  # no call above got as far as choosing
-    # past VNNI_INT8_MAX_K the int32 sums could overflow: the kernel refuses, and CPULinear keeps the bf16 paths
+    with pytest.raises(RuntimeError, match=r"scales: float32 \[N/16, 2, 16\], or \[N/16, K/32, 2, 16\]"):
+        ops.vnni_int8_linear(x, q8, vnni_int8_form(GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 32, 96)),
+                                                   per_block=True)[1], ch, wc, None, out, False)  # K/32 = 3, not 2
+    # past VNNI_INT8_MAX_K the int32 sums of a step per column could overflow: the kernel refuses that form, and
+    # CPULinear takes a step per 32-deep block, whose sums run 32 deep
     deep = GGUFWeight.from_blocks("Q4_1", random_blocks("Q4_1", 16, VNNI_INT8_MAX_K + 32))
     xd = torch.randn(2, VNNI_INT8_MAX_K + 32).bfloat16()
     with pytest.raises(RuntimeError, match="K = 44160 is over 44128"):
         ops.vnni_int8_linear(xd, *vnni_int8_form(deep), None, torch.empty(2, 16, dtype=torch.bfloat16), False)
     lin = CPULinear(deep.dequantize().bfloat16(), None, cpu_kernels(NoAmx(), torch.bfloat16))
-    assert lin.set_gguf(deep) and lin.vnni_int8 is None
+    assert lin.set_gguf(deep) and lin.vnni_int8 is not None and lin.vnni_int8[1].dim() == 4
+    xd = torch.randn(8, VNNI_INT8_MAX_K + 32).bfloat16()
+    got = lin(xd)
+    want, size = int8_math(xd, deep, per_block=True, channels=lin.vnni_int8[2])  # (the channels that call chose)
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-18 * size).all()
 
 
 class NoAmx:
@@ -418,7 +427,7 @@ def test_the_excess_is_measured_against_each_layouts_own_steps(kind):
         q = GGUFWeight.from_blocks(kind, random_blocks(kind, 64, 512, seed=7))
     excess = pack_vnni_int8(q)[2]
     assert excess == pytest.approx(excess_by_hand(q), rel=1e-4)
-    assert (pack_vnni_int8(q, max_excess=excess) is None) is False
+    assert pack_vnni_int8(q, max_excess=excess) is not None
     assert pack_vnni_int8(q, max_excess=excess * 0.999) is None
     if kind == "Q8_0":
         assert excess > 1 and vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS) is None
@@ -472,12 +481,16 @@ def test_a_column_made_coarse_takes_a_step_per_block_or_the_bf16_paths():
         assert torch.equal(lin(x), bf16(x)) == (form is None)
 
 
-def int8_engine(gguf_path, **kw):
+def int8_engine(gguf_path, per_block: bool = False, **kw):
     """The default model's bf16 engine with every layer linear on the int8 path, as a CPU without AMX builds it
     (here also on AMX machines, whose attention and LM head stay theirs): each 4-bit linear handed its int8 form,
-    the C++ decoder rebuilt on them, and the engine's calibration run (LLMEngine.choose_int8_outliers)."""
+    the C++ decoder rebuilt on them, and the engine's calibration run (LLMEngine.choose_int8_outliers). per_block:
+    the forms with a step per 32-deep block (built by an engine without int8 forms of its own, so its blocks stay
+    to make them from)."""
     from pagellm import LLM
 
+    if per_block:
+        kw["gguf_int8_activations"] = False
     llm = LLM(model=str(gguf_path), dtype="bfloat16", kv_cache_memory="64MiB", **kw)
     model = llm.llm_engine.model
     if model.decoder is None:
@@ -486,7 +499,7 @@ def int8_engine(gguf_path, **kw):
     for m in model.layers.modules():
         if isinstance(m, CPULinear) and m.gguf is not None:
             if m.vnni_int8 is None:  # else the engine made it (and dropped the blocks: CPULinear.set_gguf)
-                m.amx_q4, m.vnni_int8 = None, vnni_int8_form(m.gguf)
+                m.amx_q4, m.vnni_int8 = None, vnni_int8_form(m.gguf, per_block=per_block)
             m.kernels = swapped.setdefault(id(m.kernels),
                                            dataclasses.replace(m.kernels, vnni_int8=ops.vnni_int8_linear.default))
     assert swapped
@@ -496,7 +509,8 @@ def int8_engine(gguf_path, **kw):
 
 
 @needs_vnni
-def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
+@pytest.mark.parametrize("per_block", [False, True])
+def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference, per_block):
     # The C++ layer loop runs vnni_int8_linear for prefill and for decode steps of more than 4 rows, and the pool ends
     # whole. Teacher-forced top-1 agreement with fp32: the issue's measure (`pagellm bench agreement`, workload_16,
     # 2,048 positions) gave 99.02% on Zen 4, 2026-12-06 (99.07% with a step per 32-deep block of the weight,
@@ -510,13 +524,15 @@ def test_the_cpp_loop_takes_it_and_agrees_with_fp32(gguf_path, fp32_reference):
     from conftest import pool_is_whole, teacher_forced_agreement
     from pagellm import SamplingParams
 
-    llm = int8_engine(gguf_path)
+    llm = int8_engine(gguf_path, per_block)
     prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 6000 + 200 for j in range(8 + i % 9)]} for i in range(12)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     names = {e.name for e in prof.events()}
     assert "pagellm::vnni_int8_linear" in names and "pagellm::vnni_int8_linear_silu_mul" in names
     assert "pagellm::amx_q4_linear" not in names
+    assert all(m.vnni_int8[1].dim() == (4 if per_block else 3) for m in llm.llm_engine.model.layers.modules()
+               if isinstance(m, CPULinear))
     assert pool_is_whole(llm)
     assert teacher_forced_agreement(llm, fp32_reference) >= 0.94
 

@@ -70,15 +70,15 @@ Without AMX but with AVX512-VNNI, a GGUF layer weight takes every row count past
 (``csrc/vnni_int8_linear_cpu.cpp``, ``weight_forms.vnni_int8_form``; EngineConfig.gguf_int8_activations): the
 weight's values rounded to int8 per output column at load, x to int8 per row at each call (vLLM's int8 linears:
 per-channel weights, dynamic per-token activations), but for INT8_OUTLIER_CHANNELS channels taken exactly; twice the
-dot product's products on Zen 4, four times fp32 FMAs' on Intel. Weights deeper than VNNI_INT8_MAX_K keep the bf16
-paths, as do weights whose int8 form would add, in some column, over VNNI_INT8_MAX_EXCESS of the file's own
-rounding's squared error: one outlying value makes its column's int8 steps coarse, and the finer a file's steps the
-less one step per column can follow them. SmolLM2's Q4_1 weights pass (worst column 0.36); re-quantized by hand,
-its worst columns would be 0.10-0.58 of Q5_0's error, 0.20-1.65 of Q5_1's, 0.68-3.9 of a Q6_K-like rounding's (most
-layers over the limit; ``python bench/int8_excess.py``), and Q8_0's is over 1 by construction. Those take a step
-per 32-deep block instead, where the same guard passes (a Q8_0 file's values exactly): SmolLM2's 120 linears
-1.06-1.13x the time of a step per column, 0.71-0.74x the bf16 dot products' at 64-2,048 rows (Zen 4,
-``bench/kernels.py``).
+dot product's products on Zen 4, four times fp32 FMAs' on Intel. A weight whose int8 form would add, in some
+column, over VNNI_INT8_MAX_EXCESS of the file's own rounding's squared error does not take it: one outlying value
+makes its column's int8 steps coarse, and the finer a file's steps the less one step per column can follow them.
+SmolLM2's Q4_1 weights pass (worst column 0.36); re-quantized by hand, its worst columns would be 0.10-0.58 of
+Q5_0's error, 0.20-1.65 of Q5_1's, 0.68-3.9 of a Q6_K-like rounding's (most layers over the limit; ``python
+bench/int8_excess.py``), and a Q8_0 file's is over 1 in practice. Those take a step per 32-deep block instead,
+where the same guard passes (a Q8_0 file's values exactly; so do weights deeper than VNNI_INT8_MAX_K, whose int32
+sums over the whole depth could overflow), else the bf16 paths: SmolLM2's 120 linears 1.06-1.13x the time of a
+step per column, 0.71-0.74x the bf16 dot products' at 64-2,048 rows (Zen 4, ``bench/kernels.py``).
 Up to GEMV_MAX_ROWS rows, on CPUs with AVX512-VNNI or AVX2, a 4-bit weight's pieces take the kernel on their
 nibbles with x rounded to int8 per 16 values (``csrc/gguf_int8_linear_cpu.cpp``, ``gguf_int8_form``; the same
 knob), but for GGUF_INT8_OUTLIER_CHANNELS channels taken exactly: turning the blocks into fp32 in registers made
@@ -115,7 +115,9 @@ GEMV_MAX_ROWS = 4
 # 1.3-1.8 at 3, 1.0-1.3 against 1.7-2.2 at 4)
 SCREEN_MIN_ROWS = 3
 AMX_Q4_MAX_ROWS = 128  # the tile kernel on a 4-bit weight's nibbles up to this many rows (set_gguf)
-VNNI_INT8_MAX_K = 44128  # the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127
+# a step per column: the int8 kernel's int32 sums hold K products of at most (128 + 255) x 127 (a step per
+# 32-deep block: any K)
+VNNI_INT8_MAX_K = 44128
 # a weight whose int8 form adds, in some output column, over half the file's own rounding's squared error keeps the
 # bf16 paths (quantized.pack_vnni_int8's excess; the default model's worst column: 0.36, its weights 0.009-0.016)
 VNNI_INT8_MAX_EXCESS = 0.5
@@ -258,16 +260,16 @@ class CPULinear(nn.Module):
             self.gguf_int8 = [gguf_int8_form(piece) if piece.kind == "q4_1" else None for piece, _ in q.pieces]
         if isinstance(q, GGUFWeight) and q.kind == "q4_1" and self.amx is not None and self.kernels.amx_q4 is not None:
             self.amx_q4 = q.pack_amx_q4()
-        elif (int8_form and self.fma is not None and self.kernels.vnni_int8 is not None
-              and q.shape[1] <= VNNI_INT8_MAX_K):
-            # a step per column where fine enough, else a step per 32-deep block (~1.13x the time, still the int8
-            # products: Q8_0, most Q6_K)
-            self.vnni_int8 = (vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS)
-                              or vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS, per_block=True))
+        elif int8_form and self.fma is not None and self.kernels.vnni_int8 is not None:
+            # a step per column where fine enough (and the int32 sums over the whole depth cannot overflow), else a
+            # step per 32-deep block (1.06-1.13x the time, still the int8 products: Q8_0, most Q6_K)
+            per_column = (vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS) if q.shape[1] <= VNNI_INT8_MAX_K
+                          else None)
+            self.vnni_int8 = per_column or vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS, per_block=True)
             if self.vnni_int8 is None:
-                logger.debug("a %d x %d GGUF weight (%s) keeps the bf16 paths: its int8 form is too coarse in some "
-                             "column (over %.2f of the file's own rounding error)", *q.shape,
-                             "+".join(p.kind for p, _ in q.pieces), VNNI_INT8_MAX_EXCESS)
+                logger.info("a %d x %d GGUF weight (%s) keeps the bf16 paths: its int8 form is too coarse in some "
+                            "column (over %.2f of the file's own rounding error)", *q.shape,
+                            "+".join(p.kind for p, _ in q.pieces), VNNI_INT8_MAX_EXCESS)
         if self.vnni_int8 is not None and self.weight.shape[0] % 32 == 0:
             # every bf16 row count now takes a kernel on the file's weights: up to GEMV_MAX_ROWS the few-row ones on
             # the blocks, past it the int8 form, plain and silu(gate) * up alike (an intermediate size of a multiple

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -242,22 +243,22 @@ class GGUFParts:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
-    def _rows(self, r0: int, r1: int, of: str) -> torch.Tensor:
-        """Rows [r0, r1) of the parts' method ``of`` (_dequantize_rows, _rounding_error_rows), across parts."""
+    def _rows(self, r0: int, r1: int, rows: Callable[[GGUFWeight, int, int], torch.Tensor]) -> torch.Tensor:
+        """Rows [r0, r1) across the parts: rows(part, a, b) for each part's share [a, b) of them."""
         out, first = [], 0
         for p in self.parts:
             n = p.shape[0]
             a, b = max(r0, first), min(r1, first + n)
             if a < b:
-                out.append(getattr(p, of)(a - first, b - first))
+                out.append(rows(p, a - first, b - first))
             first += n
         return torch.cat(out)
 
     def _dequantize_rows(self, r0: int, r1: int) -> torch.Tensor:
-        return self._rows(r0, r1, "_dequantize_rows")
+        return self._rows(r0, r1, GGUFWeight._dequantize_rows)
 
     def _rounding_error_rows(self, r0: int, r1: int) -> torch.Tensor:
-        return self._rows(r0, r1, "_rounding_error_rows")
+        return self._rows(r0, r1, GGUFWeight._rounding_error_rows)
 
 
 def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf,
@@ -272,7 +273,7 @@ def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf,
     over the column divided by the file's own rounding's (``_rounding_error_rows``): a guard against a column
     whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016 over
     whole weights, at most 0.36 in one column), and against a file whose own steps are finer than one step per
-    column can follow (Q8_0's 127 per 32 weights: always over 1 per column; per block its values exactly, 0).
+    column can follow (Q8_0's 127 per 32 weights: over 1 per column in practice; per block its values exactly, 0).
     None as soon as a column's excess is over max_excess. Made a few MB of fp32 at a time (see
     GGUFWeight.dequantize)."""
     n, k = q.shape

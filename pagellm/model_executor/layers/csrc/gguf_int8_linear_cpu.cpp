@@ -31,7 +31,7 @@
 // Outlier channels: a few input channels of a model's activations run ~20x the rest (SmolLM2's norm outputs) and
 // would leave a block's other values a few int8 steps (vnni_int8_linear_cpu.cpp measured what that costs; here,
 // without them: 99.17% and 38 of 48). So, as there, each weight keeps P channels
-// (layers/linear.py: GGUF_INT8_OUTLIER_CHANNELS) out of the int8 values: chosen on its first call, as the channels
+// (layers/weight_forms.py: GGUF_INT8_OUTLIER_CHANNELS) out of the int8 values: chosen on its first call, as the channels
 // of largest |x| over that call's rows (outlier_channels.h: as vnni_int8_linear's), ascending, into the
 // caller's tensors with the weight's exact values there (wc [N][P]); every later call takes the same ones, and the
 // engine makes the first call a fixed prompt's (LLMEngine.choose_int8_outliers).

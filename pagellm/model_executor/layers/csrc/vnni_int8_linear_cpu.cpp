@@ -1,8 +1,8 @@
-// y = x W^T (+ bias) for a GGUF weight (4-bit, and 5- or 6-bit where the int8 form is fine enough: any layout of
-// layers/quantized.py, pack_vnni_int8) on AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per
-// output column at load, x to int8 per row at each call, as vLLM's int8 linears (per-channel weights, dynamic
-// per-token activations); for CPUs without AMX (layers/linear.py: CPULinear.vnni_int8;
-// EngineConfig.gguf_int8_activations).
+// y = x W^T (+ bias) for a GGUF weight of any type (any layout of layers/quantized.py: pack_vnni_int8) on
+// AVX512-VNNI's int8 dot product: the weight's values rounded to int8 per output column at load (or, for types of
+// finer steps such as Q8_0 and Q6_K, per 32-deep block: below), x to int8 per row at each call, as vLLM's int8
+// linears (per-channel weights, dynamic per-token activations); for CPUs without AMX (layers/linear.py:
+// CPULinear.vnni_int8; EngineConfig.gguf_int8_activations).
 //
 // Why: without AMX the bf16 linears run on VDPBF16PS (Zen 4) or fp32 FMAs, and there they are bound by the
 // multiply-adds, not by memory: on Zen 4 the 120 layer linears ran at 93-98% of VDPBF16PS's peak, ~75% of
@@ -30,7 +30,7 @@
 // Outlier channels: a few input channels of a model's activations run ~20x the rest (SmolLM2's norm outputs), and
 // a row holding one gets a step that leaves its other values a few int8 steps: teacher-forced agreement on the
 // tests' text prompts fell from 97.4% (bf16 x, the same weights) to 95.8% with x scaled per block. So each weight
-// keeps P channels (layers/linear.py: INT8_OUTLIER_CHANNELS, 8) out of x's int8 values: chosen once, on its first
+// keeps P channels (layers/weight_forms.py: INT8_OUTLIER_CHANNELS, 8) out of x's int8 values: chosen once, on its first
 // call, as the channels of largest |x| over that call's rows (ties: the lower index), they are zeroed before x is
 // quantized and added exactly instead, x[r][c] (bf16) times the weight's value there (s w8), after the sums, 2-4%
 // more multiply-adds. The choice lives in the caller's tensors (channels, wc), so every later call, in either layer
@@ -66,8 +66,8 @@
 namespace {
 using namespace pagellm;
 
-// The deepest weight whose int32 sums cannot overflow: K * (128 + 255) * 127 < 2^31, a multiple of 32
-// (layers/linear.py: VNNI_INT8_MAX_K, past which the engine keeps the bf16 paths)
+// The deepest weight whose int32 sums cannot overflow with a step per column: K * (128 + 255) * 127 < 2^31, a
+// multiple of 32 (layers/linear.py: VNNI_INT8_MAX_K, past which the engine takes a step per block)
 constexpr int64_t kMaxK = 44128;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -364,9 +364,9 @@ void vnni_int8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tenso
   check_tile_rows(x, bias, out, silu_mul ? 2 * N : N, w_tiles, "q8");  // silu_mul: [gate | up], 2N columns
   TORCH_CHECK(q8.dim() == 4 && q8.is_contiguous() && q8.scalar_type() == at::kChar && q8.size(2) == 8 &&
               q8.size(3) == 64 && q8.size(1) * 32 == x.size(1), "q8: int8 [N/16, K/32, 8, 64]");
-  TORCH_CHECK(x.size(1) <= kMaxK, "vnni_int8_linear: K = ", x.size(1), " is over ", kMaxK,
-              ", past which the int32 sums could overflow");
-  const bool per_block = scales.dim() == 4;
+  const bool per_block = scales.dim() == 4;  // (then the int32 sums run 32 deep: any K)
+  TORCH_CHECK(per_block || x.size(1) <= kMaxK, "vnni_int8_linear: K = ", x.size(1), " is over ", kMaxK,
+              ", past which the int32 sums could overflow (a step per 32-deep block takes it)");
   TORCH_CHECK((scales.dim() == 3 || per_block) && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
               scales.size(0) == w_tiles &&
               (per_block ? scales.size(1) == q8.size(1) && scales.size(2) == 2 && scales.size(3) == 16

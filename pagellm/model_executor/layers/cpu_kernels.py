@@ -25,7 +25,7 @@ _CSRC = pathlib.Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_amx.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp",
             "amx_linear_cpu.cpp", "fma_linear_cpu.cpp", "gguf_linear_cpu.cpp", "decoder_cpu.cpp", "sampling_cpu.cpp",
             "argmax_screen_cpu.cpp", "argmax_screen_amx.cpp", "vnni_int8_linear_cpu.cpp",
-            "gguf_int8_linear_cpu.cpp")
+            "gguf_int8_linear_cpu.cpp", "gguf_unpack_cpu.cpp")
 
 
 @lru_cache(maxsize=1)

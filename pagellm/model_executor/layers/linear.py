@@ -149,6 +149,10 @@ class CPUKernels:
     # torch.ops.pagellm.gguf_int8_linear (with gguf, AVX512-VNNI or AVX2): 4-bit weights up to GEMV_MAX_ROWS rows
     # with x rounded to int8 per 16 values
     gguf_int8: Callable | None = None
+    # torch.ops.pagellm.gguf_dequantize / vnni_int8_pack (with gguf; csrc/gguf_unpack_cpu.cpp): a GGUF weight's bf16
+    # values and its int8 form made at load in one pass (layers/quantized.py's torch code makes the same)
+    gguf_dequantize: Callable | None = None
+    vnni_int8_pack: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -205,7 +209,7 @@ class CPULinear(nn.Module):
             # packs: made from them, the values the loader would have made
             if gguf is None:
                 raise ValueError(f"a {tuple(weight.shape)} linear weight left to GGUF blocks, but none were given")
-            weight = gguf.dequantize(weight.dtype)
+            weight = gguf.dequantize(weight.dtype, kernels.gguf_dequantize)
             self.weight = nn.Parameter(weight, requires_grad=False)
         if self.tiled is not None:  # (_take_gguf drops it where the int8 forms take every row count)
             # B-tile order, for either kernel; the FMA kernel's in fp16 where it can (times 1 / w_inv)
@@ -263,9 +267,11 @@ class CPULinear(nn.Module):
         elif int8_form and self.fma is not None and self.kernels.vnni_int8 is not None:
             # a step per column where fine enough (and the int32 sums over the whole depth cannot overflow), else a
             # step per 32-deep block (1.06-1.13x the time, still the int8 products: Q8_0, most Q6_K)
-            per_column = (vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS) if q.shape[1] <= VNNI_INT8_MAX_K
-                          else None)
-            self.vnni_int8 = per_column or vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS, per_block=True)
+            pack = self.kernels.vnni_int8_pack
+            per_column = (vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS, pack=pack)
+                          if q.shape[1] <= VNNI_INT8_MAX_K else None)
+            self.vnni_int8 = per_column or vnni_int8_form(q, max_excess=VNNI_INT8_MAX_EXCESS, per_block=True,
+                                                          pack=pack)
             if self.vnni_int8 is None:
                 logger.info("a %d x %d GGUF weight (%s) keeps the bf16 paths: its int8 form is too coarse in some "
                             "column (over %.2f of the file's own rounding error)", *q.shape,
@@ -434,11 +440,13 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
     if ops is None or dtype not in (torch.bfloat16, torch.float16):
         return None
     amx = amx_silu_mul = amx_argmax = gemv = fma = fma_silu_mul = gguf = screen = screen_pack = screen_amx = None
-    amx_q4 = vnni_int8 = gguf_int8 = None
+    amx_q4 = vnni_int8 = gguf_int8 = gguf_dequantize = vnni_int8_pack = None
     fma_fp16 = fma_dot = False
     if dtype == torch.bfloat16:
         try:
             gguf = ops.gguf_linear.default if ops.gguf_linear_supported() else None
+            if gguf:
+                gguf_dequantize, vnni_int8_pack = ops.gguf_dequantize.default, ops.vnni_int8_pack.default
             if gguf and int8_activations and ops.gguf_int8_linear_supported():
                 gguf_int8 = ops.gguf_int8_linear.default
             if ops.amx_linear_supported():
@@ -461,7 +469,8 @@ def cpu_kernels(ops, dtype: torch.dtype, reduced_precision_reduction: bool = Tru
             logger.info("CPU linear kernels unavailable (%s)", e)
     onednn = amx is None and fma is None and _onednn_packing_works(dtype)
     kernels = CPUKernels(amx, amx_silu_mul, gemv, onednn, fma, fma_silu_mul, fma_fp16, fma_dot, gguf, amx_argmax,
-                         screen, screen_pack, screen_amx, amx_q4, vnni_int8, gguf_int8)
+                         screen, screen_pack, screen_amx, amx_q4, vnni_int8, gguf_int8, gguf_dequantize,
+                         vnni_int8_pack)
     return kernels if (kernels.amx or kernels.fma or kernels.gemv or kernels.onednn_packing) else None
 
 

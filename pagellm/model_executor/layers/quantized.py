@@ -183,13 +183,17 @@ class GGUFWeight:
         drop_unread)."""
         return GGUFWeight(self.kind, self.qs.to("meta"), self.scales.to("meta"))
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, kernel: Callable | None = None) -> torch.Tensor:
         """The weight in dtype: each the fp32 value the kernel computes (and ``gguf.quants.dequantize``), rounded once
-        to dtype. Made DEQUANT_FLOATS values at a time: a fresh GB-sized fp32 temporary costs more in page faults
-        than in arithmetic (a 1.1B-parameter Q4_1 file's engine start-up, with pack_vnni_int8 likewise: ~8 against
-        23-91 s on Zen 4, 2026-12-06)."""
+        to dtype. kernel: torch.ops.pagellm.gguf_dequantize (``csrc/gguf_unpack_cpu.cpp``, the same values in one
+        pass), else made here DEQUANT_FLOATS values at a time: a fresh GB-sized fp32 temporary costs more in page
+        faults than in arithmetic (a 1.1B-parameter Q4_1 file's engine start-up, with pack_vnni_int8 likewise: ~8
+        against 23-91 s on Zen 4, 2026-12-06)."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=dtype)
+        if kernel is not None and dtype in (torch.float32, torch.bfloat16, torch.float16):
+            kernel(self.qs, self.scales, self.kind, out)
+            return out
         rows = max(1, DEQUANT_FLOATS // max(k, 1))
         for r in range(0, n, rows):
             out[r:r + rows] = self._dequantize_rows(r, min(n, r + rows))
@@ -240,8 +244,8 @@ class GGUFParts:
     def shapes_only(self) -> "GGUFParts":
         return GGUFParts([p.shapes_only() for p in self.parts])
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([p.dequantize(dtype) for p in self.parts])
+    def dequantize(self, dtype: torch.dtype = torch.float32, kernel: Callable | None = None) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype, kernel) for p in self.parts])
 
     def _rows(self, r0: int, r1: int, rows: Callable[[GGUFWeight, int, int], torch.Tensor]) -> torch.Tensor:
         """Rows [r0, r1) across the parts: rows(part, a, b) for each part's share [a, b) of them."""
@@ -261,8 +265,8 @@ class GGUFParts:
         return self._rows(r0, r1, GGUFWeight._rounding_error_rows)
 
 
-def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf,
-                   per_block: bool = False) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf, per_block: bool = False,
+                   kernel: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """A GGUF weight of any layout (or a fused one of mixed layouts) as the int8 dot-product kernel takes it
     (``csrc/vnni_int8_linear_cpu.cpp``): each output column's exact values rounded to int8 steps of s = max|w| /
     127 over the column, or with per_block over each 32-deep block of it (nearest, ties to even; at most s / 2
@@ -274,41 +278,62 @@ def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf,
     whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016 over
     whole weights, at most 0.36 in one column), and against a file whose own steps are finer than one step per
     column can follow (Q8_0's 127 per 32 weights: over 1 per column in practice; per block its values exactly, 0).
-    None as soon as a column's excess is over max_excess. Made a few MB of fp32 at a time (see
-    GGUFWeight.dequantize)."""
+    None as soon as a column's excess is over max_excess. kernel: torch.ops.pagellm.vnni_int8_pack
+    (``csrc/gguf_unpack_cpu.cpp``: the same bytes, each value decoded, rounded and placed in one pass), else made here
+    a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
     n, k = q.shape
     kc = k // 32
-    group = 32 if per_block else k  # the weights one step covers
     tiles = -(-n // 16)
     packed = torch.empty(tiles, kc, 8, 64, dtype=torch.int8)
     out = torch.empty((tiles, kc, 2, 16) if per_block else (tiles, 2, 16), dtype=torch.float32)
+    if kernel is not None:  # it writes the real columns only
+        packed[-1].zero_()
+        out[-1].zero_()
+        col_excess = torch.zeros(tiles * 16)
     excess = 0.0
     chunk = max(1, DEQUANT_FLOATS // (16 * k))  # tiles a chunk
     t0, size = 0, 1  # one tile first: a weight whose steps are too fine for the form (Q8_0) is told at once
     while t0 < tiles:
         t1 = min(tiles, t0 + size)
         r0, r1 = 16 * t0, min(n, 16 * t1)  # the chunk's real columns (at least one)
-        real, cols = r1 - r0, (t1 - t0) * 16
-        w = torch.zeros(cols, k)
-        w[:real] = q._dequantize_rows(r0, r1)
-        w = w.view(cols, k // group, group)
-        step = w.abs().amax(-1, keepdim=True) / 127
-        inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-        steps = w.mul_(inv)  # w in steps, in place
-        w8f = torch.round(steps)
-        added = (steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, :, 0].square()).sum(-1)
-        own = q._rounding_error_rows(r0, r1)
-        excess = max(excess, torch.where(added > 0, added / own, torch.zeros_like(added)).max().item())
+        if kernel is not None:
+            for part, first in q.pieces:
+                a, b = max(r0, first), min(r1, first + part.shape[0])
+                if a < b:
+                    kernel(part.qs[a - first:b - first], part.scales[a - first:b - first], part.kind, a, per_block,
+                           packed, out, col_excess)
+            excess = max(excess, col_excess[r0:r1].max().item())
+        else:
+            excess = max(excess, _pack_tiles(q, t0, t1, per_block, packed, out))
         if excess > max_excess:
             return None
-        w8 = w8f.clamp_(-127, 127).to(torch.int8)
-        offsets = -128 * w8.sum(-1, dtype=torch.int32)  # [cols, groups]
-        if per_block:
-            out[t0:t1, :, 0] = step.view(t1 - t0, 16, kc).permute(0, 2, 1)
-            out[t0:t1, :, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16, kc).permute(0, 2, 1))
-        else:
-            out[t0:t1, 0] = step.view(t1 - t0, 16)
-            out[t0:t1, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16))
-        packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
         t0, size = t1, chunk
     return packed, out, excess
+
+
+def _pack_tiles(q: GGUFWeight | GGUFParts, t0: int, t1: int, per_block: bool, packed: torch.Tensor,
+                out: torch.Tensor) -> float:
+    """pack_vnni_int8's tiles [t0, t1) in torch, into packed and out; returns their worst column's excess."""
+    n, k = q.shape
+    kc, group = k // 32, 32 if per_block else k  # group: the weights one step covers
+    r0, r1 = 16 * t0, min(n, 16 * t1)
+    real, cols = r1 - r0, (t1 - t0) * 16
+    w = torch.zeros(cols, k)
+    w[:real] = q._dequantize_rows(r0, r1)
+    w = w.view(cols, k // group, group)
+    step = w.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    steps = w.mul_(inv)  # w in steps, in place
+    w8f = torch.round(steps)
+    added = (steps[:real].sub_(w8f[:real]).square_().sum(-1) * step[:real, :, 0].square()).sum(-1)
+    own = q._rounding_error_rows(r0, r1)
+    w8 = w8f.clamp_(-127, 127).to(torch.int8)
+    offsets = -128 * w8.sum(-1, dtype=torch.int32)  # [cols, groups]
+    if per_block:
+        out[t0:t1, :, 0] = step.view(t1 - t0, 16, kc).permute(0, 2, 1)
+        out[t0:t1, :, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16, kc).permute(0, 2, 1))
+    else:
+        out[t0:t1, 0] = step.view(t1 - t0, 16)
+        out[t0:t1, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16))
+    packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
+    return torch.where(added > 0, added / own, torch.zeros_like(added)).max().item()

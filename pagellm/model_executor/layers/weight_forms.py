@@ -5,6 +5,7 @@ for the few-row kernel on a 4-bit weight's own nibbles (gguf_int8_form)."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -38,14 +39,14 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
     return pairs.view(weight.dtype).view(-1, k // 32, 16, 16, 2)
 
 
-def vnni_int8_form(q: GGUFWeight | GGUFParts, outliers: int = INT8_OUTLIER_CHANNELS,
-                   max_excess: float = math.inf, per_block: bool = False) -> tuple[torch.Tensor, ...] | None:
+def vnni_int8_form(q: GGUFWeight | GGUFParts, outliers: int = INT8_OUTLIER_CHANNELS, max_excess: float = math.inf,
+                   per_block: bool = False, pack: Callable | None = None) -> tuple[torch.Tensor, ...] | None:
     """vnni_int8_linear's operands for a GGUF weight of any layout, or a fused one of mixed layouts: its int8
     values and steps (``quantized.pack_vnni_int8``: a step per output column, or per 32-deep block), and room for
     ``outliers`` channels kept out of x's int8 values (int32 [P], -1 until the kernel's first call chooses them)
     with the weight's values there (fp32 [P, ceil(N/16) * 16]). None where the int8 form's excess error in some
-    column is over max_excess."""
-    packed = pack_vnni_int8(q, max_excess, per_block)
+    column is over max_excess. pack: torch.ops.pagellm.vnni_int8_pack, to make the int8 form in C++."""
+    packed = pack_vnni_int8(q, max_excess, per_block, pack)
     if packed is None:
         return None
     q8, scales, _ = packed

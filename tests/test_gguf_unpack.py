@@ -1,0 +1,113 @@
+"""The load-time forms of a GGUF weight made in C++ (csrc/gguf_unpack_cpu.cpp: gguf_dequantize, vnni_int8_pack) are
+the torch code's (layers/quantized.py: GGUFWeight.dequantize, pack_vnni_int8), which the engine runs without the
+extension: the same values, the same bytes, the same excess up to fp32's rounding of its sums, for every layout the
+blocks come in and for fused weights of mixed layouts; and bad operands get clear errors."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagellm.model_executor.layers.cpu_kernels import load_extension
+from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
+from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight, pack_vnni_int8
+from test_gguf_linear import random_blocks
+
+ops = load_extension()
+KINDS = sorted(GGUF_BLOCKS) + ["parts"]
+
+
+def weight(kind: str, n: int = 45, k: int = 512, seed: int = 3) -> GGUFWeight | GGUFParts:
+    """n x k random blocks of kind (45 rows: a last tile of 13 columns); "parts": Q4_K_M's mix, q/k in Q4_K and v in
+    Q6_K, their boundary inside a tile."""
+    if kind == "parts":
+        q = GGUFWeight.cat([GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 24, k, seed=seed)),
+                            GGUFWeight.from_blocks("Q6_K", random_blocks("Q6_K", n - 24, k, seed=seed + 1))])
+        assert isinstance(q, GGUFParts)
+        return q
+    return GGUFWeight.from_blocks(kind, random_blocks(kind, n, k, seed=seed))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_is_the_torch_codes(kind):
+    q = weight(kind)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = q.dequantize(dtype)
+        got = q.dequantize(dtype, ops.gguf_dequantize)
+        assert got.dtype == dtype and torch.equal(got, want), dtype
+    assert q.dequantize().abs().sum() > 0
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_int8_form_is_the_torch_codes(kind, per_block):
+    q = weight(kind)
+    q8, scales, excess = pack_vnni_int8(q, per_block=per_block)
+    got = pack_vnni_int8(q, per_block=per_block, kernel=ops.vnni_int8_pack)
+    assert torch.equal(got[0], q8)
+    assert torch.equal(got[1].view(torch.int32), scales.view(torch.int32))  # (the offsets: int32 bits)
+    assert got[2] == pytest.approx(excess, rel=1e-5)
+    # the guard turns it down where torch's does (a limit well away from the excess either way)
+    for limit in (excess * 0.99, excess * 1.01):
+        assert (pack_vnni_int8(q, limit, per_block, ops.vnni_int8_pack) is None) == (limit < excess)
+
+
+def test_the_int8_form_made_in_chunks_and_a_column_over_the_limit(monkeypatch):
+    # a few tiles a call (DEQUANT_FLOATS), an outlying block in the second chunk: the same bytes, and the guard
+    # stops there
+    from pagellm.model_executor.layers import quantized
+
+    raw = random_blocks("Q4_1", 80, 96, seed=6)
+    raw.view(80, 3, 20)[50, 1, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
+    q = GGUFWeight.from_blocks("Q4_1", raw)
+    whole = pack_vnni_int8(q)
+    monkeypatch.setattr(quantized, "DEQUANT_FLOATS", 32 * 96)
+    q8, sc, excess = pack_vnni_int8(q, kernel=ops.vnni_int8_pack)
+    assert torch.equal(q8, whole[0]) and torch.equal(sc.view(torch.int32), whole[1].view(torch.int32))
+    assert excess == pytest.approx(whole[2], rel=1e-5) and excess > 1
+    assert pack_vnni_int8(q, 1.0, kernel=ops.vnni_int8_pack) is None
+
+
+def test_cpu_linear_makes_its_forms_in_cpp():
+    # The engine's kernels carry both ops wherever the GGUF kernels build; CPULinear's forms from them are the torch
+    # code's. (Its int8 form where this CPU takes it; its bf16 weight, made from blocks it was handed alone, always.)
+    kernels = cpu_kernels(ops, torch.bfloat16)
+    if kernels is None or kernels.gguf is None:
+        pytest.skip("no GGUF kernels on this CPU")
+    assert kernels.gguf_dequantize is not None and kernels.vnni_int8_pack is not None
+    torch_only = dataclasses.replace(kernels, gguf_dequantize=None, vnni_int8_pack=None, gguf_int8=None)
+    q = weight("Q5_0", 64, 256)
+    meta = torch.empty(64, 256, dtype=torch.bfloat16, device="meta")
+    a, b = CPULinear(meta, None, kernels, q), CPULinear(meta, None, torch_only, q)
+    if a.vnni_int8 is not None:
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.vnni_int8, b.vnni_int8))
+    x = torch.randn(64, 256).bfloat16()
+    made = dataclasses.replace(kernels, vnni_int8=None, gguf_int8=None)  # the bf16 weight, made from the blocks
+    c, d = CPULinear(meta, None, made, q), CPULinear(meta, None, dataclasses.replace(torch_only, vnni_int8=None), q)
+    assert torch.equal(c(x), d(x))
+
+
+def test_bad_operands_get_clear_errors():
+    q = weight("Q4_1", 32, 64)
+    out = torch.empty(32, 64)
+    with pytest.raises(RuntimeError, match="kind: one of q4_1, q8_0, u8_1, q8_2, not q5_0"):
+        ops.gguf_dequantize(q.qs, q.scales, "q5_0", out)
+    with pytest.raises(RuntimeError, match=r"qs: contiguous uint8 \[N, K/32, 16\]"):
+        ops.gguf_dequantize(q.qs.view(torch.int8), q.scales, "q4_1", out)
+    with pytest.raises(RuntimeError, match="scales: contiguous float32"):
+        ops.gguf_dequantize(q.qs, q.scales[:16], "q4_1", out)
+    with pytest.raises(RuntimeError, match=r"out: contiguous \[N, K\] = \[32, 64\]"):
+        ops.gguf_dequantize(q.qs, q.scales, "q4_1", torch.empty(32, 32))
+    with pytest.raises(RuntimeError, match="out: float32, bfloat16 or float16"):
+        ops.gguf_dequantize(q.qs, q.scales, "q4_1", torch.empty(32, 64, dtype=torch.float64))
+    packed, sc, ex = torch.empty(2, 2, 8, 64, dtype=torch.int8), torch.empty(2, 2, 16), torch.empty(32)
+    ops.vnni_int8_pack(q.qs, q.scales, "q4_1", 0, False, packed, sc, ex)
+    with pytest.raises(RuntimeError, match="col0: the rows' first column"):
+        ops.vnni_int8_pack(q.qs, q.scales, "q4_1", 1, False, packed, sc, ex)
+    with pytest.raises(RuntimeError, match=r"packed: contiguous int8 \[tiles, K/32, 8, 64\]"):
+        ops.vnni_int8_pack(q.qs, q.scales, "q4_1", 0, False, packed[:, :1], sc, ex)
+    with pytest.raises(RuntimeError, match=r"out: contiguous float32 \[tiles, K/32, 2, 16\]"):
+        ops.vnni_int8_pack(q.qs, q.scales, "q4_1", 0, True, packed, sc, ex)
+    with pytest.raises(RuntimeError, match=r"excess: contiguous float32 \[tiles \* 16\]"):
+        ops.vnni_int8_pack(q.qs, q.scales, "q4_1", 0, False, packed, sc, ex[:16])

@@ -53,20 +53,63 @@ def test_the_int8_form_is_the_torch_codes(kind, per_block):
         assert (pack_vnni_int8(q, limit, per_block, ops.vnni_int8_pack) is None) == (limit < excess)
 
 
-def test_the_int8_form_made_in_chunks_and_a_column_over_the_limit(monkeypatch):
-    # a few tiles a call (DEQUANT_FLOATS), an outlying block in the second chunk: the same bytes, and the guard
-    # stops there
-    from pagellm.model_executor.layers import quantized
-
+def test_a_column_over_the_limit_stops_it_as_torchs_does():
+    # an outlying block in the fourth tile (the kernel takes the first tile alone, then the rest in one call; torch
+    # takes a few MB at a time): the same bytes with no limit, the same excess, and None under it
     raw = random_blocks("Q4_1", 80, 96, seed=6)
     raw.view(80, 3, 20)[50, 1, :4] = torch.tensor([0.0, 40.0]).half().view(torch.uint8)
     q = GGUFWeight.from_blocks("Q4_1", raw)
     whole = pack_vnni_int8(q)
-    monkeypatch.setattr(quantized, "DEQUANT_FLOATS", 32 * 96)
     q8, sc, excess = pack_vnni_int8(q, kernel=ops.vnni_int8_pack)
     assert torch.equal(q8, whole[0]) and torch.equal(sc.view(torch.int32), whole[1].view(torch.int32))
     assert excess == pytest.approx(whole[2], rel=1e-5) and excess > 1
-    assert pack_vnni_int8(q, 1.0, kernel=ops.vnni_int8_pack) is None
+    assert pack_vnni_int8(q, 1.0, kernel=ops.vnni_int8_pack) is None and pack_vnni_int8(q, 1.0) is None
+
+
+def column(q8: torch.Tensor, sc: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column c's int8 values ([K/32, 8, 4]) and its steps and offsets' bits (int32 [.., 2]) in an int8 form."""
+    t, lane = divmod(c, 16)
+    return q8.view(q8.shape[0], q8.shape[1], 8, 16, 4)[t, :, :, lane], sc.view(torch.int32)[t, ..., lane]
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_the_op_writes_its_columns_only_and_the_padding_is_zero(per_block, monkeypatch):
+    # 24 rows of a weight as columns 11-34 of the operands (a part starting inside a tile, ending inside another):
+    # each column as the torch code packs those rows alone; every other byte of sentinel-filled operands stays
+    q = weight("Q6_K", 45, 256)
+    part = GGUFWeight(q.kind, q.qs[5:29], q.scales[5:29])
+    ref = pack_vnni_int8(part, per_block=per_block)
+    q8, sc, ex = (torch.full((3, 8, 8, 64), 7, dtype=torch.int8),
+                  torch.full((3, 8, 2, 16) if per_block else (3, 2, 16), 7.0), torch.full((48,), 7.0))
+    ops.vnni_int8_pack(part.qs, part.scales, part.kind, 11, per_block, q8, sc, ex)
+    for c in range(48):
+        got = column(q8, sc, c)
+        if 11 <= c < 35:
+            want = column(ref[0], ref[1], c - 11)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), c
+            assert 0 <= ex[c] <= ref[2] * (1 + 1e-5)
+        else:
+            assert (got[0] == 7).all() and (got[1] == torch.tensor(7.0).view(torch.int32)).all() and ex[c] == 7, c
+    assert ex[11:35].max().item() == pytest.approx(ref[2], rel=1e-5)
+    # through pack_vnni_int8: the columns past N (45 of 48) are zeros, whatever the fresh tensors held
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(7))
+    q8, sc, _ = pack_vnni_int8(q, per_block=per_block, kernel=ops.vnni_int8_pack)
+    monkeypatch.undo()
+    for c in range(45, 48):
+        assert not any(t.any() for t in column(q8, sc, c)), c
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_column_holding_a_value_that_is_not_finite_is_declined(bad, per_block):
+    # both paths: its excess is infinite, so any limit turns the form down (CPULinear keeps the bf16 paths)
+    raw = random_blocks("Q8_0", 32, 64, seed=2)
+    raw.view(32, 2, 34)[9, 1, :2] = torch.tensor([bad]).half().view(torch.uint8)
+    q = GGUFWeight.from_blocks("Q8_0", raw)
+    for kernel in (None, ops.vnni_int8_pack):
+        assert pack_vnni_int8(q, per_block=per_block, kernel=kernel)[2] == float("inf")
+        assert pack_vnni_int8(q, 1e30, per_block, kernel) is None
 
 
 def test_cpu_linear_makes_its_forms_in_cpp():
@@ -82,10 +125,9 @@ def test_cpu_linear_makes_its_forms_in_cpp():
     a, b = CPULinear(meta, None, kernels, q), CPULinear(meta, None, torch_only, q)
     if a.vnni_int8 is not None:
         assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.vnni_int8, b.vnni_int8))
-    x = torch.randn(64, 256).bfloat16()
     made = dataclasses.replace(kernels, vnni_int8=None, gguf_int8=None)  # the bf16 weight, made from the blocks
     c, d = CPULinear(meta, None, made, q), CPULinear(meta, None, dataclasses.replace(torch_only, vnni_int8=None), q)
-    assert torch.equal(c(x), d(x))
+    assert c.amx_weight is not None and torch.equal(c.amx_weight.view(torch.int16), d.amx_weight.view(torch.int16))
 
 
 def test_bad_operands_get_clear_errors():

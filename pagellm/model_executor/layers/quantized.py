@@ -277,8 +277,8 @@ def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf, per_
     over the column divided by the file's own rounding's (``_rounding_error_rows``): a guard against a column
     whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016 over
     whole weights, at most 0.36 in one column), and against a file whose own steps are finer than one step per
-    column can follow (Q8_0's 127 per 32 weights: over 1 per column in practice; per block its values exactly, 0).
-    None as soon as a column's excess is over max_excess. kernel: torch.ops.pagellm.vnni_int8_pack
+    column can follow (Q8_0's 127 per 32 weights: over 1 per column in practice; per block its values exactly, 0);
+    infinite for a column holding a value that is not finite. None as soon as a column's excess is over max_excess. kernel: torch.ops.pagellm.vnni_int8_pack
     (``csrc/gguf_unpack_cpu.cpp``: the same bytes, each value decoded, rounded and placed in one pass), else made here
     a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
     n, k = q.shape
@@ -286,12 +286,14 @@ def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf, per_
     tiles = -(-n // 16)
     packed = torch.empty(tiles, kc, 8, 64, dtype=torch.int8)
     out = torch.empty((tiles, kc, 2, 16) if per_block else (tiles, 2, 16), dtype=torch.float32)
-    if kernel is not None:  # it writes the real columns only
+    if kernel is not None and tiles:  # it writes the real columns only
         packed[-1].zero_()
         out[-1].zero_()
         col_excess = torch.zeros(tiles * 16)
     excess = 0.0
-    chunk = max(1, DEQUANT_FLOATS // (16 * k))  # tiles a chunk
+    # tiles a chunk: here a few MB of fp32; the kernel stages nothing, so all the rest in one call (its threads split
+    # them)
+    chunk = tiles if kernel is not None else max(1, DEQUANT_FLOATS // (16 * k))
     t0, size = 0, 1  # one tile first: a weight whose steps are too fine for the form (Q8_0) is told at once
     while t0 < tiles:
         t1 = min(tiles, t0 + size)
@@ -336,4 +338,5 @@ def _pack_tiles(q: GGUFWeight | GGUFParts, t0: int, t1: int, per_block: bool, pa
         out[t0:t1, 0] = step.view(t1 - t0, 16)
         out[t0:t1, 1].view(torch.int32).copy_(offsets.view(t1 - t0, 16))
     packed[t0:t1] = w8.view(t1 - t0, 16, kc, 8, 4).permute(0, 2, 3, 1, 4).reshape(t1 - t0, kc, 8, 64)
-    return torch.where(added > 0, added / own, torch.zeros_like(added)).max().item()
+    excess = torch.where(added > 0, added / own, torch.zeros_like(added))
+    return excess.masked_fill_(added.isnan(), math.inf).max().item()  # a value that is not finite: declined

@@ -9,7 +9,7 @@
 // Why: the torch code makes fp32 copies a few MB at a time and walks them a dozen times (decode, max, scale, round,
 // error, clamp, sums, the layout's permutation). For TinyLlama-1.1B's shapes in Q5_0 that was ~4 s of an 11 s
 // engine start on Zen 4, and ~0.4 s of the default model's ~3 s cold start; here each value is decoded, rounded and
-// placed in one pass, on every thread.
+// placed in one pass, the threads splitting the columns.
 //
 // The layouts (layers/quantized.py's module docstring), per 32 weights of a row:
 //   q4_1: 16 bytes, element j the low nibble of byte j, j + 16 its high one; scales d, m: w = d q + m
@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -156,7 +157,8 @@ inline float round_group(const float* v, int64_t len, int8_t* w8, int32_t& sum, 
       const float x = v[k + i] * inv;
       const float r = std::rint(x);
       sq[i] += (x - r) * (x - r);
-      q[i] = static_cast<int32_t>(std::min(std::max(r, -127.f), 127.f));
+      // (a NaN, from a value that is not finite, is stored as 0: the column's error is NaN, its excess infinite)
+      q[i] = static_cast<int32_t>(r == r ? std::min(std::max(r, -127.f), 127.f) : 0.f);
     }
     for (int i = 0; i < 32; ++i) {
       s += q[i];
@@ -174,7 +176,8 @@ inline float round_group(const float* v, int64_t len, int8_t* w8, int32_t& sum, 
 // the whole): packed int8 [tiles, K/32, 8, 64] (byte 4 n + e of row j of block b: column 16 t + n at depth
 // 32 b + 4 j + e), out fp32 [tiles, 2, 16] (the columns' steps, then their int32 offsets' bits: -128 times the sum
 // of their int8 values), or per_block [tiles, K/32, 2, 16] (a block's); excess fp32 [tiles * 16]: the column's
-// added squared error over its own (0 where it adds none). Writes only these columns.
+// added squared error over its own (0 where it adds none; infinite for a column holding a value that is not
+// finite, whose form is declined). Writes only these columns; the threads split them by whole tiles.
 void vnni_int8_pack(const at::Tensor& qs, const at::Tensor& scales, const std::string& kind, int64_t col0,
                     bool per_block, at::Tensor packed, at::Tensor out, at::Tensor excess) {
   const Layout l = parse_layout(kind);
@@ -183,7 +186,8 @@ void vnni_int8_pack(const at::Tensor& qs, const at::Tensor& scales, const std::s
                   packed.size(1) == kc && packed.size(2) == 8 && packed.size(3) == 64,
               "packed: contiguous int8 [tiles, K/32, 8, 64]");
   const int64_t tiles = packed.size(0);
-  TORCH_CHECK(col0 >= 0 && col0 + n <= tiles * 16, "col0: the rows' first column, their last within the tiles");
+  TORCH_CHECK(col0 >= 0 && n <= tiles * 16 && col0 <= tiles * 16 - n,
+              "col0: the rows' first column, their last within the tiles");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat &&
                   (per_block ? out.dim() == 4 && out.size(0) == tiles && out.size(1) == kc && out.size(2) == 2 &&
                                    out.size(3) == 16
@@ -198,10 +202,12 @@ void vnni_int8_pack(const at::Tensor& qs, const at::Tensor& scales, const std::s
   float* O = out.data_ptr<float>();
   float* E = excess.data_ptr<float>();
   const int64_t qrow = kc * block_bytes(l), srow = kc * block_scales(l);
-  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+  if (n == 0) return;
+  const int64_t t_first = col0 / 16, t_end = (col0 + n - 1) / 16 + 1;
+  at::parallel_for(t_first, t_end, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> v(static_cast<size_t>(K));
     std::vector<int8_t> w8(static_cast<size_t>(K));
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = std::max(int64_t{0}, 16 * t0 - col0); r < std::min(n, 16 * t1 - col0); ++r) {
       const int64_t c = col0 + r, t = c / 16, lane = c % 16;
       decode_row(l, Q + r * qrow, S + r * srow, kc, v.data());
       double added = 0;
@@ -226,7 +232,8 @@ void vnni_int8_pack(const at::Tensor& qs, const at::Tensor& scales, const std::s
         for (int64_t j = 0; j < 8; ++j)
           std::memcpy(P + ((t * kc + b) * 8 + j) * 64 + 4 * lane, w8.data() + 32 * b + 4 * j, 4);
       const double own = own_error(l, S + r * srow, kc);
-      E[c] = added > 0 ? static_cast<float>(added / own) : 0.f;
+      E[c] = std::isnan(added) ? std::numeric_limits<float>::infinity()
+                               : added > 0 ? static_cast<float>(added / own) : 0.f;
     }
   });
 }

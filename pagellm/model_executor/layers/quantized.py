@@ -278,9 +278,9 @@ def pack_vnni_int8(q: GGUFWeight | GGUFParts, max_excess: float = math.inf, per_
     whose one outlying value makes s much coarser than its blocks' steps (SmolLM2-135M's Q4_1: 0.009-0.016 over
     whole weights, at most 0.36 in one column), and against a file whose own steps are finer than one step per
     column can follow (Q8_0's 127 per 32 weights: over 1 per column in practice; per block its values exactly, 0);
-    infinite for a column holding a value that is not finite. None as soon as a column's excess is over max_excess. kernel: torch.ops.pagellm.vnni_int8_pack
-    (``csrc/gguf_unpack_cpu.cpp``: the same bytes, each value decoded, rounded and placed in one pass), else made here
-    a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
+    infinite for a column holding a value that is not finite. None as soon as a column's excess is over max_excess.
+    kernel: torch.ops.pagellm.vnni_int8_pack (``csrc/gguf_unpack_cpu.cpp``: the same bytes, each value decoded,
+    rounded and placed in one pass), else made here a few MB of fp32 at a time (see GGUFWeight.dequantize)."""
     n, k = q.shape
     kc = k // 32
     tiles = -(-n // 16)

@@ -57,7 +57,7 @@ int64_t check_blocks(const at::Tensor& qs, const at::Tensor& scales, Layout l) {
   return qs.size(1) * 32;
 }
 
-// Row r's block b as 32 fp32 values.
+// One block (its quants qs, its scales sc) as 32 fp32 values.
 inline void decode_block(Layout l, const uint8_t* qs, const float* sc, float* v) {
   switch (l) {
     case Layout::Q4_1: {
@@ -91,7 +91,7 @@ inline void decode_block(Layout l, const uint8_t* qs, const float* sc, float* v)
   }
 }
 
-// Row r's K values (fp32) into v.
+// A row's K values (fp32) into v.
 inline void decode_row(Layout l, const uint8_t* qs, const float* sc, int64_t kc, float* v) {
   const int64_t qb = block_bytes(l), sb = block_scales(l);
   for (int64_t b = 0; b < kc; ++b) decode_block(l, qs + b * qb, sc + b * sb, v + 32 * b);
@@ -126,8 +126,8 @@ void gguf_dequantize(const at::Tensor& qs, const at::Tensor& scales, const std::
   }
 }
 
-// The file's own rounding's squared error over row r, as for values rounded to the nearest of steps d: d^2 / 12 a
-// weight (every layout's first scale is its step; q8_2's two, one per 16 weights).
+// The file's own rounding's squared error over a row (its scales sc), as for values rounded to the nearest of steps
+// d: d^2 / 12 a weight (every layout's first scale is its step; q8_2's two, one per 16 weights).
 double own_error(Layout l, const float* sc, int64_t kc) {
   double e = 0;
   if (l == Layout::Q8_2) {

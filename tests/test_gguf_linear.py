@@ -270,26 +270,35 @@ def test_short_prompts_agree_with_fp32(gguf_path, gguf_llm):
         assert all(g == w for g, w, d in zip(got, want, decided) if d)
 
 
-@needs_kernel
-def test_a_k_quant_file_takes_its_blocks(tmp_path):
-    # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: every linear takes its quants
-    # (dequantized and rounded to bf16 they are its weight), qkv as two parts (q and k in Q4_K, then v in Q6_K),
-    # each into its columns. Both layer loops then decode alike, and the pool ends whole.
+def mixed_gguf(path, types: dict[str, str]):
+    """A tiny llama (hidden 256, intermediate 512) whose 2-D weights named in types (by module: "q_proj", ...,
+    "lm_head", "embed_tokens") are random blocks of those GGUF types, written as llama.cpp writes them (q/k rows
+    permuted) -> (path, its config, the blocks by GGUF name: (type, uint8 [rows, row bytes]))."""
     from checkpoint_files import hf_to_gguf_name, random_state_dict, tiny_config, write_gguf
-
-    from conftest import pool_is_whole
-    from pagellm import LLM, SamplingParams
 
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=512)
     _, sd = random_state_dict(cfg)
-    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
-             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}
     raw = {}
     for name, t in sd.items():
         kind = types.get(name.split(".")[-2])
         if kind and t.dim() == 2:
             raw[hf_to_gguf_name(name)] = (kind, random_blocks(kind, t.shape[0], t.shape[1], seed=len(raw)).numpy())
-    path = write_gguf(tmp_path / "k.gguf", "llama", cfg, sd, tokenizer=False, raw=raw)
+    return write_gguf(path, "llama", cfg, sd, tokenizer=False, raw=raw), cfg, raw
+
+
+@needs_kernel
+def test_a_k_quant_file_takes_its_blocks(tmp_path):
+    # A tiny llama written with K-quant blocks mixed as llama.cpp's Q4_K_M mixes them: every linear takes its quants
+    # (dequantized and rounded to bf16 they are its weight), qkv as two parts (q and k in Q4_K, then v in Q6_K),
+    # each into its columns. Both layer loops then decode alike, and the pool ends whole.
+    from checkpoint_files import hf_to_gguf_name
+
+    from conftest import pool_is_whole
+    from pagellm import LLM, SamplingParams
+
+    path, _, raw = mixed_gguf(tmp_path / "k.gguf", {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K",
+                                                     "o_proj": "Q5_K", "gate_proj": "Q4_K", "up_proj": "Q4_K",
+                                                     "down_proj": "Q6_K", "lm_head": "Q6_K"})
     llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
     model = llm.llm_engine.model
     assert model.linear_kernels.endswith("+gguf_int8" if ops.gguf_int8_linear_supported() else "+gguf")

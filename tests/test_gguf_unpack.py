@@ -1,7 +1,8 @@
-"""The load-time forms of a GGUF weight made in C++ (csrc/gguf_unpack_cpu.cpp: gguf_dequantize, vnni_int8_pack) are
-the torch code's (layers/quantized.py: GGUFWeight.dequantize, pack_vnni_int8), which the engine runs without the
-extension: the same values, the same bytes, the same excess up to fp32's rounding of its sums, for every layout the
-blocks come in and for fused weights of mixed layouts; and bad operands get clear errors."""
+"""The load-time forms of a GGUF weight made in C++ (csrc/gguf_unpack_cpu.cpp: gguf_unpack, gguf_dequantize,
+vnni_int8_pack) are the torch code's (layers/quantized.py: GGUFWeight.from_blocks, dequantize, pack_vnni_int8), which
+the engine runs without the extension: the same values, the same bytes, the same excess up to fp32's rounding of its
+sums, for every GGUF type and layout the blocks come in and for fused weights of mixed layouts; the loader takes them
+where the engine runs the kernels; and bad operands get clear errors."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ import torch
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.layers.linear import CPULinear, cpu_kernels
 from pagellm.model_executor.layers.quantized import GGUF_BLOCKS, GGUFParts, GGUFWeight, pack_vnni_int8
-from test_gguf_linear import random_blocks
+from test_gguf_linear import SCALES, mixed_gguf, random_blocks
 
 ops = load_extension()
 KINDS = sorted(GGUF_BLOCKS) + ["parts"]
@@ -27,6 +28,32 @@ def weight(kind: str, n: int = 45, k: int = 512, seed: int = 3) -> GGUFWeight | 
         assert isinstance(q, GGUFParts)
         return q
     return GGUFWeight.from_blocks(kind, random_blocks(kind, n, k, seed=seed))
+
+
+def same_bytes(a: GGUFWeight, b: GGUFWeight) -> bool:
+    """The same layout, quants and scales, each scale's fp32 bits alike (a NaN's payload aside: torch's own differs
+    between its vector loops and their tails)."""
+    nan = a.scales.isnan()
+    return (a.kind == b.kind and a.qs.dtype == b.qs.dtype and a.qs.shape == b.qs.shape and torch.equal(a.qs, b.qs)
+            and a.scales.shape == b.scales.shape and torch.equal(nan, b.scales.isnan())
+            and torch.equal(a.scales.view(torch.int32)[~nan], b.scales.view(torch.int32)[~nan]))
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+def test_unpacking_is_the_torch_codes(kind):
+    # the layout's quants and scales byte for byte, from blocks in the model's range and from any bytes at all, with
+    # an fp16 scale NaN in one block and infinite in another (their fp32 bits alike); the K-quants 2 super-blocks a row
+    per, size = GGUF_BLOCKS[kind]
+    g = torch.Generator().manual_seed(len(kind))
+    noise = torch.randint(0, 256, (9, 512 // per * size), dtype=torch.uint8, generator=g)
+    at = SCALES[kind][0][0]
+    for block, bad in ((0, float("nan")), (3, float("-inf"))):
+        noise.view(-1, size)[block, at:at + 2] = torch.tensor([bad]).half().view(torch.uint8)
+    for raw in (random_blocks(kind, 45, 512, seed=3), noise):
+        want = GGUFWeight.from_blocks(kind, raw)
+        got = GGUFWeight.from_blocks(kind.lower(), raw, ops.gguf_unpack)
+        assert same_bytes(got, want) and got.shape == (raw.shape[0], 512)
+    assert want.scales.isnan().any() and want.scales.isinf().any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,7 +157,46 @@ def test_cpu_linear_makes_its_forms_in_cpp():
     assert c.amx_weight is not None and torch.equal(c.amx_weight.view(torch.int16), d.amx_weight.view(torch.int16))
 
 
+def test_the_loader_unpacks_with_them(tmp_path):
+    # A tiny llama in K-quant blocks mixed as Q4_K_M mixes them (and Q5_0 / Q5_1 / Q4_0): loaded with the kernels
+    # (as the engine loads where it runs them), every weight's blocks are byte for byte torch's, q and k rows
+    # un-permuted alike, and the weights dequantized from them (the embeddings, the head) equal
+    from pagellm.model_executor.layers.attention import preload_cpu_ops
+    from pagellm.model_executor.loader import load_checkpoint
+
+    path, cfg, raw = mixed_gguf(tmp_path / "k.gguf", {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K",
+                                                       "o_proj": "Q5_K", "gate_proj": "Q5_0", "up_proj": "Q5_1",
+                                                       "down_proj": "Q4_0", "lm_head": "Q6_K", "embed_tokens": "Q8_0"})
+    cpu = torch.device("cpu")
+    assert preload_cpu_ops("auto", cpu) is ops and preload_cpu_ops("torch", cpu) is None
+    got = load_checkpoint(path, torch.bfloat16, cpu_ops=ops)
+    want = load_checkpoint(path, torch.bfloat16)
+    assert set(got.quantized) == set(want.quantized)
+    assert len(want.quantized) == len(raw) - (not cfg.tie_word_embeddings)  # (an untied embedding: not a linear)
+    assert all(same_bytes(got.quantized[k], want.quantized[k]) for k in want.quantized)
+    assert set(got.weights) == set(want.weights)
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    kinds = {q.kind for q in want.quantized.values()}
+    assert kinds == {"q4_1", "q8_0", "u8_1", "q8_2"}
+    deferred = load_checkpoint(path, torch.bfloat16, defer_quantized=True, cpu_ops=ops)
+    assert all(same_bytes(deferred.quantized[k], want.quantized[k]) for k in want.quantized)
+    assert not any(k.startswith("model.layers.") and k.endswith("_proj.weight") for k in deferred.weights)
+
+
 def test_bad_operands_get_clear_errors():
+    raw = random_blocks("Q4_K", 4, 512)
+    qs, sc = torch.empty(4, 16, 16, dtype=torch.uint8), torch.empty(4, 16, 2)
+    ops.gguf_unpack(raw, "Q4_K", qs, sc)
+    with pytest.raises(RuntimeError, match="type: one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, not Q3_K"):
+        ops.gguf_unpack(raw, "Q3_K", qs, sc)
+    with pytest.raises(RuntimeError, match=r"blocks: contiguous uint8 \[N, a multiple of 144 bytes\]"):
+        ops.gguf_unpack(raw[:, :200], "Q4_K", qs, sc)
+    with pytest.raises(RuntimeError, match=r"qs, scales: \[N, K/32, ...\] = \[4, 16, ...\]"):
+        ops.gguf_unpack(raw, "Q4_K", qs[:, :8].contiguous(), sc[:, :8].contiguous())
+    with pytest.raises(RuntimeError, match=r"qs: contiguous uint8 \[N, K/32, 16\]"):
+        ops.gguf_unpack(raw, "Q4_K", qs.view(torch.int8), sc)
+    with pytest.raises(RuntimeError, match=r"scales: contiguous float32 \[N, K/32, 2\]"):
+        ops.gguf_unpack(raw, "Q4_K", qs, sc[..., :1].contiguous())
     q = weight("Q4_1", 32, 64)
     out = torch.empty(32, 64)
     with pytest.raises(RuntimeError, match="kind: one of q4_1, q8_0, u8_1, q8_2, not q5_0"):

@@ -24,7 +24,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.parallel_sampling import ParentRequest, child_params
 from pagellm.engine.request import Request, RequestStatus
-from pagellm.model_executor.layers.attention import select_backend
+from pagellm.model_executor.layers.attention import preload_cpu_ops, select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
 from pagellm.model_executor.model_runner import ModelRunner, kv_bytes_per_block
 from pagellm.model_executor.models import build_model
@@ -72,8 +72,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         dev = config.torch_device
         dtype_hint = None if config.dtype == "auto" else config.dtype
-        # a GGUF's layer linears in their blocks alone: the model makes a bf16 weight only where a kernel reads it
-        ckpt = load_checkpoint(config.model, dtype_hint, defer_quantized=config.gguf_quantized_linears)
+        # a GGUF's layer linears in their blocks alone: the model makes a bf16 weight only where a kernel reads it;
+        # the blocks unpacked by the C++ kernels where the engine takes them
+        ckpt = load_checkpoint(config.model, dtype_hint, defer_quantized=config.gguf_quantized_linears,
+                               cpu_ops=preload_cpu_ops(config.attention_backend, dev))
         cfg = ckpt.hf_config
         config.finalize(checkpoint_dtype_of(ckpt), cfg.max_position_embeddings)
         if ckpt.dtype != config.torch_dtype:

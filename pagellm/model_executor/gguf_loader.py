@@ -22,7 +22,7 @@ import pathlib
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -304,14 +304,17 @@ def reverse_permute_qk(weights, n_head: int):
 
 
 def load_gguf(
-    path: pathlib.Path, dtype: torch.dtype, defer_quantized: bool = False
+    path: pathlib.Path, dtype: torch.dtype, defer_quantized: bool = False, cpu_ops: Any = None
 ) -> tuple[transformers.PretrainedConfig, str, dict[str, torch.Tensor], transformers.PreTrainedTokenizerBase | None,
            dict[str, GGUFWeight]]:
     """``(config, hf_architecture, weights, tokenizer, quantized)`` from a single GGUF file. ``quantized``: the
     linear weights (and embeddings) of a type quantized.GGUF_BLOCKS lists, as quants (HF names; rows un-permuted as
     the dequantized weights), for the linears' few-row kernel (layers/quantized.py). defer_quantized: the layers'
     linear weights among them are not dequantized into ``weights`` (the model makes them from the quants where it
-    needs them: LlamaForCausalLM.load_weights)."""
+    needs them: LlamaForCausalLM.load_weights). cpu_ops: ``torch.ops.pagellm`` (the C++ kernels), to unpack and
+    dequantize the blocks in one pass each (``csrc/gguf_unpack_cpu.cpp``); None: in torch, the same bytes."""
+    unpack = cpu_ops.gguf_unpack.default if cpu_ops is not None else None
+    dequantize = cpu_ops.gguf_dequantize.default if cpu_ops is not None else None
     gguf_file = open_gguf(path)
     meta = read_metadata(gguf_file)
     arch, _, hf_arch = gguf_architecture(meta, path)
@@ -334,11 +337,11 @@ def load_gguf(
                 f"(unsupported model variant?); supported: {supported_architectures()}"
             )
         # a weight kept as quants is dequantized from them (the same values as dequantize_tensor's, unpacked once)
-        q = _gguf_quants(tensor, hf_name, path)
+        q = _gguf_quants(tensor, hf_name, path, unpack)
         if q is not None and defer_quantized and hf_name.startswith("model.layers."):
             w = None
         else:
-            w = q.dequantize(dtype) if q is not None else _to_torch(dequantize_tensor(tensor, path), dtype)
+            w = q.dequantize(dtype, dequantize) if q is not None else _to_torch(dequantize_tensor(tensor, path), dtype)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
         if arch in PERMUTED_QK_ARCHITECTURES and heads:
@@ -355,7 +358,8 @@ def load_gguf(
     return config, hf_arch, weights, tokenizer, quantized
 
 
-def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike) -> GGUFWeight | None:
+def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike,
+                 unpack: Callable | None = None) -> GGUFWeight | None:
     """A 2-D linear weight (or embedding) of a type the few-row kernel reads (quantized.GGUF_BLOCKS: Q4_0/1, Q5_0/1,
     Q8_0, Q4_K, Q5_K, Q6_K) as its quants in the kernel's layout, rows in the file's order; else None."""
     kind = tensor.tensor_type.name
@@ -368,7 +372,7 @@ def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike) ->
     rows = tensor.shape[0]
     try:
         raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)
-        return GGUFWeight.from_blocks(kind, torch.from_numpy(raw))
+        return GGUFWeight.from_blocks(kind, torch.from_numpy(raw), unpack)
     except Exception as e:
         raise ValueError(f"{source}: cannot read tensor {tensor.name!r} of type {kind} "
                          f"(shape {list(tensor.shape)}): {type(e).__name__}: {e}") from e

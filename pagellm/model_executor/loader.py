@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import transformers
@@ -160,13 +161,14 @@ checkpoint_dtype_of = checkpoint_dtype  # alias used by the engine
 
 
 def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | None = None,
-                    defer_quantized: bool = False) -> LoadedCheckpoint:
+                    defer_quantized: bool = False, cpu_ops: Any = None) -> LoadedCheckpoint:
     """Load config, weights (CPU, ``dtype``) and tokenizer of ``model`` (see :func:`resolve_model`).
 
     ``dtype``: a floating torch.dtype, a name such as ``"bfloat16"``, or ``None`` / ``"auto"`` for
     the checkpoint's own dtype (see :func:`checkpoint_dtype`). ``defer_quantized``: a GGUF's layer linear weights
     kept in blocks (``quantized``) are not dequantized into ``weights`` too (gguf_loader.load_gguf): the engine's
-    way, whose linears on int8 forms never need them in bf16.
+    way, whose linears on int8 forms never need them in bf16. ``cpu_ops``: ``torch.ops.pagellm``, the C++ kernels
+    that unpack and dequantize a GGUF's blocks (gguf_loader.load_gguf); None: torch's code, the same bytes.
     """
     path = resolve_model(model)
     if dtype is None or dtype == "auto":
@@ -177,7 +179,8 @@ def load_checkpoint(model: str | os.PathLike | None, dtype: torch.dtype | str | 
         raise ValueError(f"dtype must be a floating point torch.dtype or 'auto', got {dtype!r}")
     quantized: dict[str, GGUFWeight] = {}
     if path.is_file():
-        config, architecture, weights, tokenizer, quantized = gguf_loader.load_gguf(path, dtype, defer_quantized)
+        config, architecture, weights, tokenizer, quantized = gguf_loader.load_gguf(path, dtype, defer_quantized,
+                                                                                    cpu_ops)
     else:
         config, architecture, weights, tokenizer = _load_hf_dir(path, dtype)
     _finalize_weights(weights, config, architecture, path, quantized)

@@ -250,6 +250,22 @@ def _prefill_mask(meta: AttentionMetadata, r: int, qlen: int, ctx: int, sliding_
     return meta.masks[key]
 
 
+def preload_cpu_ops(name: str, device: torch.device):
+    """The C++ CPU kernels' ops (``torch.ops.pagellm``) where select_backend(name, device, ...) takes them, loaded
+    ahead of the checkpoint so that the loader unpacks a GGUF file's blocks with them; None elsewhere, and where they
+    cannot be built (select_backend then says why, or raises for "cpu")."""
+    if name == "torch" or device.type != "cpu":
+        return None
+    from pagellm.model_executor.layers.cpu_kernels import CPUMarchError, load_extension
+
+    try:
+        return load_extension()
+    except CPUMarchError:  # a setting to correct
+        raise
+    except Exception:
+        return None
+
+
 def select_backend(name: str, device: torch.device, num_kv_heads: int, head_dim: int, block_size: int,
                    kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """"auto": the C++ CPU kernels on CPU (torch reference if they cannot be built), the reference elsewhere.

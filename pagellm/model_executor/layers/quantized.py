@@ -42,6 +42,11 @@ DEQUANT_FLOATS = 1 << 20
 # GGUF type name -> (weights a block, bytes a block) for the types kept as quants
 GGUF_BLOCKS = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]]
                for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+# GGUF type -> its layout; a layout -> (its quants' bytes and dtype, its scales) per 32 weights
+LAYOUT_OF = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q4_K": "q4_1", "Q8_0": "q8_0", "Q5_0": "q8_0", "Q5_1": "u8_1",
+             "Q5_K": "u8_1", "Q6_K": "q8_2"}
+LAYOUTS = {"q4_1": (16, torch.uint8, 2), "q8_0": (32, torch.int8, 1), "u8_1": (32, torch.uint8, 2),
+           "q8_2": (32, torch.int8, 2)}
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -86,11 +91,19 @@ class GGUFWeight:
     scales: torch.Tensor
 
     @classmethod
-    def from_blocks(cls, kind: str, blocks: torch.Tensor) -> "GGUFWeight":
+    def from_blocks(cls, kind: str, blocks: torch.Tensor, kernel: Callable | None = None) -> "GGUFWeight":
         """blocks: uint8 [N, K / block weights * block bytes], each row the file's blocks of one output row, of GGUF
-        type ``kind`` (a key of GGUF_BLOCKS; lower case accepted)."""
+        type ``kind`` (a key of GGUF_BLOCKS; lower case accepted). kernel: torch.ops.pagellm.gguf_unpack
+        (``csrc/gguf_unpack_cpu.cpp``: the same bytes in one pass), else unpacked here in torch."""
         kind = kind.upper()
         per, size = GGUF_BLOCKS[kind]
+        if kernel is not None and blocks.dim() == 2 and blocks.shape[1] % size == 0:
+            qbytes, qdtype, nscales = LAYOUTS[LAYOUT_OF[kind]]
+            n, kc = blocks.shape[0], blocks.shape[1] // size * (per // 32)
+            qs = torch.empty(n, kc, qbytes, dtype=qdtype)
+            scales = torch.empty(n, kc, nscales, dtype=torch.float32)
+            kernel(blocks.contiguous(), kind, qs, scales)
+            return cls(LAYOUT_OF[kind], qs, scales)
         b = blocks.reshape(blocks.shape[0], -1, size)
         if kind == "Q4_1":
             return cls("q4_1", b[..., 4:].contiguous(), _f16(b[..., :4]))

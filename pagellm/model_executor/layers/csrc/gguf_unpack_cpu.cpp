@@ -1,5 +1,7 @@
-// A GGUF weight's blocks made into the forms the kernels read, at load (layers/quantized.py: GGUFWeight.dequantize,
-// pack_vnni_int8; their torch code is the reference these match, and the path without the extension):
+// A GGUF weight's blocks made into the forms the kernels read, at load (layers/quantized.py: GGUFWeight.from_blocks,
+// dequantize, pack_vnni_int8; their torch code is the reference these match, and the path without the extension):
+//   gguf_unpack:     the file's blocks of a type re-packed into one of the layouts below (the quants and fp32
+//                    scales the kernels read), byte for byte the torch code's;
 //   gguf_dequantize: the weight's values, each the fp32 value of its block (as gguf.quants.dequantize gives it)
 //                    rounded once to out's dtype;
 //   vnni_int8_pack:  its int8 form for vnni_int8_linear (a step per output column, or per 32-deep block), bit for
@@ -9,7 +11,8 @@
 // Why: the torch code makes fp32 copies a few MB at a time and walks them a dozen times (decode, max, scale, round,
 // error, clamp, sums, the layout's permutation). For TinyLlama-1.1B's shapes in Q5_0 that was ~4 s of an 11 s
 // engine start on Zen 4, and ~0.4 s of the default model's ~3 s cold start; here each value is decoded, rounded and
-// placed in one pass, the threads splitting the columns.
+// placed in one pass, the threads splitting the columns. Likewise the unpacking: torch's strided copies, shifts and
+// concatenations of a K-quant's bit fields took ~1.7 s of TinyLlama's Q4_K_M load.
 //
 // The layouts (layers/quantized.py's module docstring), per 32 weights of a row:
 //   q4_1: 16 bytes, element j the low nibble of byte j, j + 16 its high one; scales d, m: w = d q + m
@@ -124,6 +127,139 @@ void gguf_dequantize(const at::Tensor& qs, const at::Tensor& scales, const std::
     case at::kHalf: return dequantize_rows(l, Q, S, n, kc, out.data_ptr<c10::Half>());
     default: TORCH_CHECK(false, "out: float32, bfloat16 or float16");
   }
+}
+
+// ---- gguf_unpack: the file's blocks into a layout ----
+
+enum class GGUFType { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+
+struct TypeInfo {
+  GGUFType type;
+  int64_t weights, bytes;  // a block's
+  Layout layout;
+};
+
+TypeInfo parse_type(const std::string& name) {
+  static const std::pair<const char*, TypeInfo> types[] = {
+      {"Q4_0", {GGUFType::Q4_0, 32, 18, Layout::Q4_1}},   {"Q4_1", {GGUFType::Q4_1, 32, 20, Layout::Q4_1}},
+      {"Q5_0", {GGUFType::Q5_0, 32, 22, Layout::Q8_0}},   {"Q5_1", {GGUFType::Q5_1, 32, 24, Layout::U8_1}},
+      {"Q8_0", {GGUFType::Q8_0, 32, 34, Layout::Q8_0}},   {"Q4_K", {GGUFType::Q4_K, 256, 144, Layout::Q4_1}},
+      {"Q5_K", {GGUFType::Q5_K, 256, 176, Layout::U8_1}}, {"Q6_K", {GGUFType::Q6_K, 256, 210, Layout::Q8_2}}};
+  for (const auto& t : types)
+    if (name == t.first) return t.second;
+  TORCH_CHECK(false, "type: one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, not ", name);
+}
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// A K-quant's 12 bytes of packed 6-bit values: sub-block i's scale and minimum (i < 8), as gguf unpacks them.
+inline void k_scale_min(const uint8_t* s, int i, uint8_t& sc, uint8_t& mn) {
+  if (i < 4) {
+    sc = s[i] & 0x3F, mn = s[4 + i] & 0x3F;
+  } else {
+    sc = (s[8 + i - 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
+    mn = (s[8 + i - 4] >> 4) | ((s[4 + i - 4] >> 2) & 0x30);
+  }
+}
+
+// One file block b (of t's type) into its 32-weight layout blocks: quants q (t.weights / 32 blocks of
+// block_bytes(layout) each) and scales sc (block_scales(layout) each), as GGUFWeight.from_blocks's torch code.
+inline void unpack_block(GGUFType t, const uint8_t* b, uint8_t* q, float* sc) {
+  switch (t) {
+    case GGUFType::Q4_1:
+      sc[0] = f16_at(b), sc[1] = f16_at(b + 2);
+      std::memcpy(q, b + 4, 16);
+      break;
+    case GGUFType::Q4_0: {
+      const float d = f16_at(b);
+      sc[0] = d, sc[1] = d * -8.0f;
+      std::memcpy(q, b + 2, 16);
+      break;
+    }
+    case GGUFType::Q8_0:
+      sc[0] = f16_at(b);
+      std::memcpy(q, b + 2, 32);
+      break;
+    case GGUFType::Q5_0:
+    case GGUFType::Q5_1: {
+      // element j: the low nibble of byte j (j < 16) or the high one of byte j - 16, bit j of the 32-bit qh above
+      const bool q5_0 = t == GGUFType::Q5_0;
+      const uint8_t* qh = b + (q5_0 ? 2 : 4);
+      const uint8_t* qs = qh + 4;
+      sc[0] = f16_at(b);
+      if (!q5_0) sc[1] = f16_at(b + 2);
+      for (int j = 0; j < 32; ++j) {
+        const int v = ((j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) | (((qh[j / 8] >> (j % 8)) & 1) << 4));
+        q[j] = static_cast<uint8_t>(q5_0 ? static_cast<int8_t>(v - 16) : v);
+      }
+      break;
+    }
+    case GGUFType::Q4_K:
+    case GGUFType::Q5_K: {
+      // 8 sub-blocks of 32: scales d sc, -(dmin mn); quants: sub-block 2c + s the nibbles (s: low, high) of bytes
+      // 32c .. 32c + 31 of qs, Q5_K's fifth bit i of qh[l]; Q4_K's repacked into q4_1's 16 bytes
+      const float d = f16_at(b), dmin = f16_at(b + 2);
+      const bool q5 = t == GGUFType::Q5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int i = 0; i < 8; ++i) {
+        uint8_t s, m;
+        k_scale_min(b + 4, i, s, m);
+        sc[2 * i] = d * static_cast<float>(s);
+        sc[2 * i + 1] = -(dmin * static_cast<float>(m));
+        const uint8_t* src = qs + 32 * (i / 2);
+        const int shift = 4 * (i % 2);
+        if (q5) {
+          for (int l = 0; l < 32; ++l)
+            q[32 * i + l] = static_cast<uint8_t>(((src[l] >> shift) & 0x0F) | (((qh[l] >> i) & 1) << 4));
+        } else {
+          for (int j = 0; j < 16; ++j)
+            q[16 * i + j] = static_cast<uint8_t>(((src[j] >> shift) & 0x0F) | (((src[j + 16] >> shift) & 0x0F) << 4));
+        }
+      }
+      break;
+    }
+    case GGUFType::Q6_K: {
+      // weight f = 128 h + r (h: which half): low 4 bits from ql[64 h + r % 64] (its high nibble when r >= 64),
+      // high 2 from qh[32 h + r % 32] >> 2 (r / 32); minus 32. 16 scales d sc[g], one per 16 weights
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16_at(b + 208);
+      for (int g = 0; g < 16; ++g) sc[g] = d * static_cast<float>(s[g]);
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < 128; ++r) {
+          const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F;
+          const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 0x03;
+          q[128 * h + r] = static_cast<uint8_t>(static_cast<int8_t>((low | (high << 4)) - 32));
+        }
+      break;
+    }
+  }
+}
+
+// blocks uint8 [N, bytes] (each row the file's blocks of one output row, of GGUF type `type`) into qs and scales,
+// contiguous [N, K/32, block_bytes] (int8 for q8_0 and q8_2, else uint8) and float32 [N, K/32, block_scales] of
+// the type's layout (layers/quantized.py's module docstring; the Python side allocates them).
+void gguf_unpack(const at::Tensor& blocks, const std::string& type, at::Tensor qs, at::Tensor scales) {
+  const TypeInfo t = parse_type(type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
+                  blocks.size(1) % t.bytes == 0,
+              "blocks: contiguous uint8 [N, a multiple of ", t.bytes, " bytes] (", type, "'s blocks)");
+  const int64_t n = blocks.size(0), per_row = blocks.size(1) / t.bytes, kc = per_row * (t.weights / 32);
+  check_blocks(qs, scales, t.layout);
+  TORCH_CHECK(qs.size(0) == n && qs.size(1) == kc, "qs, scales: [N, K/32, ...] = [", n, ", ", kc, ", ...]");
+  const int64_t sub = t.weights / 32, qb = block_bytes(t.layout) * sub, sb = block_scales(t.layout) * sub;
+  const uint8_t* B = static_cast<const uint8_t*>(blocks.data_ptr());
+  uint8_t* Q = static_cast<uint8_t*>(qs.data_ptr());
+  float* S = scales.data_ptr<float>();
+  const int64_t all = n * per_row;
+  at::parallel_for(0, all, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) unpack_block(t.type, B + i * t.bytes, Q + i * qb, S + i * sb);
+  });
 }
 
 // The file's own rounding's squared error over a row (its scales sc), as for values rounded to the nearest of steps
@@ -241,6 +377,8 @@ void vnni_int8_pack(const at::Tensor& qs, const at::Tensor& scales, const std::s
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("gguf_unpack(Tensor blocks, str type, Tensor(a!) qs, Tensor(b!) scales) -> ()");
+  m.impl("gguf_unpack", c10::DispatchKey::CPU, &gguf_unpack);
   m.def("gguf_dequantize(Tensor qs, Tensor scales, str kind, Tensor(a!) out) -> ()");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, &gguf_dequantize);
   m.def("vnni_int8_pack(Tensor qs, Tensor scales, str kind, int col0, bool per_block, Tensor(a!) packed, "

@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -371,6 +372,11 @@ def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike,
         return None
     rows = tensor.shape[0]
     try:
+        if unpack is not None:  # the kernel reads the file's mapping as it is (no copy: it writes only its outputs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                blocks = torch.from_numpy(np.asarray(tensor.data).reshape(rows, tensor.shape[1] // per * size))
+            return GGUFWeight.from_blocks(kind, blocks, unpack)
         raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)
         return GGUFWeight.from_blocks(kind, torch.from_numpy(raw), unpack)
     except Exception as e:

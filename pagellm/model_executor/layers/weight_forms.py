@@ -66,7 +66,9 @@ def gguf_int8_form(q: GGUFWeight, outliers: int | None = None) -> tuple[torch.Te
     if n16 * 16 != n:
         qs = torch.cat([qs, qs.new_zeros(n16 * 16 - n, kb, 16)])
         scales = torch.cat([scales, scales.new_zeros(n16 * 16 - n, kb, 2)])
-    qs = qs.view(n16, 16, kb, 4, 4).permute(0, 2, 3, 1, 4).contiguous().view(n16, kb, 4, 64)
+    # (4 bytes move together: as int32s, a quarter of the elements to permute; ~0.3 s of TinyLlama's load as bytes)
+    qs = qs.contiguous().view(torch.int32).view(n16, 16, kb, 4).permute(0, 2, 3, 1).contiguous()
+    qs = qs.view(torch.uint8).view(n16, kb, 4, 64)
     scales = scales.view(n16, 16, kb, 2).permute(0, 2, 3, 1).contiguous()
     p = min(GGUF_INT8_OUTLIER_CHANNELS if outliers is None else outliers, k)
     return qs, scales, torch.full((p,), -1, dtype=torch.int32), torch.zeros(n, p)

@@ -183,6 +183,41 @@ def test_the_loader_unpacks_with_them(tmp_path):
     assert not any(k.startswith("model.layers.") and k.endswith("_proj.weight") for k in deferred.weights)
 
 
+def test_without_the_kernels_the_engine_loads_in_torch(tmp_path, monkeypatch):
+    # No compiler (any failure to build): preload_cpu_ops says nothing and the loader unpacks in torch; the engine
+    # takes the torch backend (select_backend says why) and decodes as the one with the kernels (fp32: both exact).
+    # A bad PAGELLM_CPU_MARCH stops it instead.
+    from pagellm import LLM, SamplingParams
+    from pagellm.model_executor.layers import cpu_attention, cpu_kernels as build
+    from pagellm.model_executor.layers.attention import TorchPagedAttention, preload_cpu_ops
+
+    path, _, _ = mixed_gguf(tmp_path / "k.gguf", {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K",
+                                                   "o_proj": "Q5_0", "gate_proj": "Q4_0", "up_proj": "Q4_0",
+                                                   "down_proj": "Q5_K"})
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 200 + 3 for i in range(n)]} for n in (2, 9)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    runs = []
+    for broken in (False, True):
+        if broken:
+            def no_compiler():
+                raise RuntimeError("no C++ compiler")
+            monkeypatch.setattr(build, "load_extension", no_compiler)
+            monkeypatch.setattr(cpu_attention, "load_extension", no_compiler)
+            assert preload_cpu_ops("auto", torch.device("cpu")) is None
+        llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+        assert (type(llm.llm_engine.model.backend) is TorchPagedAttention) == broken
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1] and all(len(ids) == 5 for ids in runs[0])
+
+    def bad_march():
+        raise build.CPUMarchError("PAGELLM_CPU_MARCH names no target")
+    monkeypatch.setattr(build, "load_extension", bad_march)
+    with pytest.raises(build.CPUMarchError):
+        preload_cpu_ops("auto", torch.device("cpu"))
+    assert preload_cpu_ops("torch", torch.device("cpu")) is None
+    assert preload_cpu_ops("auto", torch.device("meta")) is None
+
+
 def test_bad_operands_get_clear_errors():
     raw = random_blocks("Q4_K", 4, 512)
     qs, sc = torch.empty(4, 16, 16, dtype=torch.uint8), torch.empty(4, 16, 2)

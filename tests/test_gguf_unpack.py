@@ -6,6 +6,7 @@ where the engine runs the kernels; and bad operands get clear errors."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -54,6 +55,10 @@ def test_unpacking_is_the_torch_codes(kind):
         got = GGUFWeight.from_blocks(kind.lower(), raw, ops.gguf_unpack)
         assert same_bytes(got, want) and got.shape == (raw.shape[0], 512)
     assert want.scales.isnan().any() and want.scales.isinf().any()
+    # one row; one block a row over more blocks than a thread's share (2,048); blocks in a strided view
+    wide = random_blocks(kind, 3, 2 * per, seed=5)
+    for raw in (random_blocks(kind, 1, per, seed=4), random_blocks(kind, 2049, per, seed=6), wide[:, size:]):
+        assert same_bytes(GGUFWeight.from_blocks(kind, raw, ops.gguf_unpack), GGUFWeight.from_blocks(kind, raw))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -169,7 +174,16 @@ def test_the_loader_unpacks_with_them(tmp_path):
                                                        "down_proj": "Q4_0", "lm_head": "Q6_K", "embed_tokens": "Q8_0"})
     cpu = torch.device("cpu")
     assert preload_cpu_ops("auto", cpu) is ops and preload_cpu_ops("torch", cpu) is None
-    got = load_checkpoint(path, torch.bfloat16, cpu_ops=ops)
+    calls = []
+
+    class Spy:  # the kernels, counted
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            return types.SimpleNamespace(default=lambda *a: calls.append(name) or op.default(*a))
+
+    got = load_checkpoint(path, torch.bfloat16, cpu_ops=Spy())
+    # every tensor in blocks unpacked and, without defer_quantized, dequantized by them
+    assert calls.count("gguf_unpack") == calls.count("gguf_dequantize") == len(raw)
     want = load_checkpoint(path, torch.bfloat16)
     assert set(got.quantized) == set(want.quantized)
     assert len(want.quantized) == len(raw) - (not cfg.tie_word_embeddings)  # (an untied embedding: not a linear)
@@ -196,18 +210,21 @@ def test_without_the_kernels_the_engine_loads_in_torch(tmp_path, monkeypatch):
                                                    "down_proj": "Q5_K"})
     prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 200 + 3 for i in range(n)]} for n in (2, 9)]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    runs = []
+    runs, attempts = [], []
     for broken in (False, True):
         if broken:
             def no_compiler():
+                attempts.append(1)
                 raise RuntimeError("no C++ compiler")
             monkeypatch.setattr(build, "load_extension", no_compiler)
             monkeypatch.setattr(cpu_attention, "load_extension", no_compiler)
-            assert preload_cpu_ops("auto", torch.device("cpu")) is None
         llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
         assert (type(llm.llm_engine.model.backend) is TorchPagedAttention) == broken
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1] and all(len(ids) == 5 for ids in runs[0])
+    assert len(attempts) == 1  # one build attempt a start
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):  # "cpu" asks for them: it stops, before the load
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", attention_backend="cpu")
 
     def bad_march():
         raise build.CPUMarchError("PAGELLM_CPU_MARCH names no target")
@@ -228,6 +245,9 @@ def test_bad_operands_get_clear_errors():
         ops.gguf_unpack(raw[:, :200], "Q4_K", qs, sc)
     with pytest.raises(RuntimeError, match=r"qs, scales: \[N, K/32, ...\] = \[4, 16, ...\]"):
         ops.gguf_unpack(raw, "Q4_K", qs[:, :8].contiguous(), sc[:, :8].contiguous())
+    for bad in (raw.view(torch.int8), raw[:, :-144].t(), raw.flatten()):
+        with pytest.raises(RuntimeError, match=r"blocks: contiguous uint8 \[N, a multiple of 144 bytes\]"):
+            ops.gguf_unpack(bad, "Q4_K", qs, sc)
     with pytest.raises(RuntimeError, match=r"qs: contiguous uint8 \[N, K/32, 16\]"):
         ops.gguf_unpack(raw, "Q4_K", qs.view(torch.int8), sc)
     with pytest.raises(RuntimeError, match=r"scales: contiguous float32 \[N, K/32, 2\]"):

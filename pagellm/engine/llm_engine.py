@@ -74,8 +74,9 @@ class LLMEngine:
         dtype_hint = None if config.dtype == "auto" else config.dtype
         # a GGUF's layer linears in their blocks alone: the model makes a bf16 weight only where a kernel reads it;
         # the blocks unpacked by the C++ kernels where the engine takes them
+        cpu_ops = preload_cpu_ops(config.attention_backend, dev)
         ckpt = load_checkpoint(config.model, dtype_hint, defer_quantized=config.gguf_quantized_linears,
-                               cpu_ops=preload_cpu_ops(config.attention_backend, dev))
+                               cpu_ops=cpu_ops)
         cfg = ckpt.hf_config
         config.finalize(checkpoint_dtype_of(ckpt), cfg.max_position_embeddings)
         if ckpt.dtype != config.torch_dtype:
@@ -84,8 +85,9 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self._token_text: dict[int, str] = {}  # one token decoded alone, for logprobs (decode once per id)
         shape = ModelShape(cfg, ckpt.architecture)
-        backend = select_backend(config.attention_backend, dev, shape.num_kv_heads, shape.head_dim,
-                                 config.block_size, config.torch_kv_dtype)
+        # (where the kernels could not be built, the torch backend without a second attempt)
+        backend = select_backend("torch" if cpu_ops is None and dev.type == "cpu" else config.attention_backend, dev,
+                                 shape.num_kv_heads, shape.head_dim, config.block_size, config.torch_kv_dtype)
         self.model = build_model(cfg, ckpt.architecture, ckpt.weights, config.torch_dtype, dev, backend,
                                  config.max_model_len, config.reduced_precision_reduction,
                                  ckpt.quantized if config.gguf_quantized_linears else None,

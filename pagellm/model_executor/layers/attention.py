@@ -252,8 +252,9 @@ def _prefill_mask(meta: AttentionMetadata, r: int, qlen: int, ctx: int, sliding_
 
 def preload_cpu_ops(name: str, device: torch.device):
     """The C++ CPU kernels' ops (``torch.ops.pagellm``) where select_backend(name, device, ...) takes them, loaded
-    ahead of the checkpoint so that the loader unpacks a GGUF file's blocks with them; None elsewhere, and where they
-    cannot be built (select_backend then says why, or raises for "cpu")."""
+    ahead of the checkpoint so that the loader unpacks a GGUF file's blocks with them; None elsewhere. Where they
+    cannot be built: raises for "cpu" (before the load, not after it), else says so and returns None, and the engine
+    then asks select_backend for "torch" (one build attempt a start, not two)."""
     if name == "torch" or device.type != "cpu":
         return None
     from pagellm.model_executor.layers.cpu_kernels import CPUMarchError, load_extension
@@ -262,7 +263,10 @@ def preload_cpu_ops(name: str, device: torch.device):
         return load_extension()
     except CPUMarchError:  # a setting to correct
         raise
-    except Exception:
+    except Exception as e:  # no compiler, no headers...: stay correct, only slower
+        if name == "cpu":
+            raise
+        logger.warning("CPU kernels unavailable (%s); using the torch reference backend", e)
         return None
 
 

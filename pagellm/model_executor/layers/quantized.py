@@ -94,10 +94,11 @@ class GGUFWeight:
     def from_blocks(cls, kind: str, blocks: torch.Tensor, kernel: Callable | None = None) -> "GGUFWeight":
         """blocks: uint8 [N, K / block weights * block bytes], each row the file's blocks of one output row, of GGUF
         type ``kind`` (a key of GGUF_BLOCKS; lower case accepted). kernel: torch.ops.pagellm.gguf_unpack
-        (``csrc/gguf_unpack_cpu.cpp``: the same bytes in one pass), else unpacked here in torch."""
+        (``csrc/gguf_unpack_cpu.cpp``: the same bytes in one pass; CPU uint8 blocks), else unpacked here in torch."""
         kind = kind.upper()
         per, size = GGUF_BLOCKS[kind]
-        if kernel is not None and blocks.dim() == 2 and blocks.shape[1] % size == 0:
+        if (kernel is not None and blocks.dtype == torch.uint8 and blocks.device.type == "cpu" and blocks.dim() == 2
+                and blocks.shape[1] % size == 0):
             qbytes, qdtype, nscales = LAYOUTS[LAYOUT_OF[kind]]
             n, kc = blocks.shape[0], blocks.shape[1] // size * (per // 32)
             qs = torch.empty(n, kc, qbytes, dtype=qdtype)

@@ -198,9 +198,9 @@ def test_the_loader_unpacks_with_them(tmp_path):
 
 
 def test_without_the_kernels_the_engine_loads_in_torch(tmp_path, monkeypatch):
-    # No compiler (any failure to build): preload_cpu_ops says nothing and the loader unpacks in torch; the engine
-    # takes the torch backend (select_backend says why) and decodes as the one with the kernels (fp32: both exact).
-    # A bad PAGELLM_CPU_MARCH stops it instead.
+    # No compiler (any failure to build): preload_cpu_ops warns and returns None, the loader unpacks in torch, and the
+    # engine takes the torch backend without a second build attempt; it decodes as the one with the kernels (fp32:
+    # both exact). attention_backend="cpu" and a bad PAGELLM_CPU_MARCH stop it instead.
     from pagellm import LLM, SamplingParams
     from pagellm.model_executor.layers import cpu_attention, cpu_kernels as build
     from pagellm.model_executor.layers.attention import TorchPagedAttention, preload_cpu_ops

@@ -378,7 +378,7 @@ def _gguf_quants(tensor: GGUFTensor, hf_name: str, source: str | os.PathLike,
                 blocks = torch.from_numpy(np.asarray(tensor.data).reshape(rows, tensor.shape[1] // per * size))
             return GGUFWeight.from_blocks(kind, blocks, unpack)
         raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, tensor.shape[1] // per * size)
-        return GGUFWeight.from_blocks(kind, torch.from_numpy(raw), unpack)
+        return GGUFWeight.from_blocks(kind, torch.from_numpy(raw))
     except Exception as e:
         raise ValueError(f"{source}: cannot read tensor {tensor.name!r} of type {kind} "
                          f"(shape {list(tensor.shape)}): {type(e).__name__}: {e}") from e

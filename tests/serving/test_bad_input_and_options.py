@@ -1,0 +1,247 @@
+"""Bad requests (status, error shape, the engine unharmed), auth and body limits, /metrics, logprobs, n choices
+and stop strings."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from .harness import (API_KEY, CAPITAL_PROMPT, CHAT_CONTENT, COUNT_PROMPT, SEED, SEED_PROMPT, assert_error_shape,
+                      greedy, val, wait_idle)
+
+
+# ------------------------------------------------------------------------------------------------ 4. errors
+LONG_IDS = [100] * 3000  # > max_model_len 2048
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "x"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"temperature": 0}, 400, "prompt"),  # missing required field
+    ("/v1/completions", {"prompt": LONG_IDS, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2, 3], LONG_IDS], "max_tokens": 4}, 400, "prompt"),  # one bad of a batch
+    ("/v1/completions", {"prompt": LONG_IDS, "max_tokens": 4, "stream": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1, "stream": True}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_p": 2}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{s}-{p}" for i, (_, _, s, p) in enumerate(BAD_REQUESTS)])
+def test_bad_request_status_and_error_shape(http, route, body, status, param):
+    err = assert_error_shape(http.post(route, json=body), status, param)
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_errors_through_openai_client(server, client, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt="Hi", temperature=-1)
+    assert e.value.status_code == 400 and e.value.param == "temperature" and e.value.body["code"] == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt="Hi", top_p=2)
+    assert e.value.status_code == 400 and e.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt="Hi", n=0)
+    assert e.value.status_code == 400 and e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt=LONG_IDS, max_tokens=4)
+    assert e.value.status_code == 400 and "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a bad streamed request fails before the stream starts
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                       temperature=-1, stream=True)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.status_code == 404 and e.value.type == "not_found_error" and e.value.param == "model"
+    bad_key = openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad_key.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.type == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    bad_key.close()
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model_name, prompt="a " * (2 * 2**20 + 10), max_tokens=2)
+    assert e.value.status_code == 413
+
+
+def test_auth_and_body_size(server, http):
+    body = {"prompt": "Hi", "max_tokens": 2}
+    err = assert_error_shape(httpx.post(f"{server.base}/v1/completions", json=body), 401, None)
+    assert err["type"] == "authentication_error"
+    for header in ({"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        assert_error_shape(httpx.post(f"{server.base}/v1/completions", json=body, headers=header), 401)
+    assert_error_shape(httpx.get(f"{server.base}/v1/models"), 401)
+    # over 4 MiB: 413, by Content-Length, before the body is parsed
+    huge = {"prompt": "a " * (2 * 2**20 + 10), "max_tokens": 2}
+    err = assert_error_shape(http.post("/v1/completions", json=huge), 413, None)
+    assert "larger than" in err["message"]
+
+    # and without Content-Length (chunked upload), while streaming the body in
+    def chunks():
+        for _ in range(5):
+            yield b" " * 2**20
+        yield json.dumps(body).encode()
+
+    assert_error_shape(http.post("/v1/completions", content=chunks(),
+                                 headers={"Content-Type": "application/json"}), 413)
+    # a body under the limit is served
+    ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "user": "x" * (3 * 2**20)})
+    assert ok.status_code == 200, ok.text
+
+
+def test_good_requests_still_succeed_after_a_burst_of_bad_ones(server, client, http, ref, model_name):
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.base, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=30.0) as ac:
+            rs = await asyncio.gather(*(ac.post(route, json=body) for route, body, _, _ in BAD_REQUESTS * 3))
+        return [r.status_code for r in rs]
+
+    assert asyncio.run(burst()) == [s for _, _, s, _ in BAD_REQUESTS] * 3
+    r = client.completions.create(model=model_name, prompt=CAPITAL_PROMPT, temperature=0, max_tokens=8)
+    assert r.choices[0].text == ref["capital8"].outputs[0].text
+    wait_idle(http)  # nothing of the bad requests is left holding blocks
+
+
+# ------------------------------------------------------------------------------------------------ 5. metrics
+def test_metrics_count_what_was_sent(http, client, model_name):
+    before = wait_idle(http)
+    for fam in ("pagellm:num_requests_running", "pagellm:num_requests_waiting", "pagellm:kv_cache_usage_perc",
+                "pagellm:num_preemptions_total", "pagellm:time_to_first_token_seconds_count",
+                "pagellm:inter_token_latency_seconds_count"):
+        assert (fam, ()) in before, fam
+    ids = http.post("/tokenize", json={"prompt": "The quick brown fox jumps over the lazy dog. " * 6}).json()["tokens"]
+    lens = [5, 17, 40]
+    assert len(ids) >= max(lens)
+    max_tokens = 6
+    for n in lens:
+        r = client.completions.create(model=model_name, prompt=ids[:n], temperature=0, max_tokens=max_tokens,
+                                      extra_body={"ignore_eos": True})
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, max_tokens)
+        assert r.choices[0].finish_reason == "length"
+    after = wait_idle(http)
+    k = len(lens)
+
+    def delta(name, **labels):
+        return val(after, name, **labels) - val(before, name, **labels)
+
+    assert delta("pagellm:prompt_tokens_total") == sum(lens)
+    assert delta("pagellm:generation_tokens_total") == k * max_tokens
+    assert delta("pagellm:request_success_total", finished_reason="length") == k
+    assert delta("pagellm:request_success_total", finished_reason="abort") == 0
+    assert delta("pagellm:request_success_total", finished_reason="stop") == 0
+    assert delta("pagellm:e2e_request_latency_seconds_count") == k
+    assert delta("pagellm:e2e_request_latency_seconds_bucket", le="+Inf") == k
+    assert delta("pagellm:e2e_request_latency_seconds_sum") > 0
+    assert delta("pagellm:time_to_first_token_seconds_count") == k
+    assert delta("pagellm:inter_token_latency_seconds_count") == k * (max_tokens - 1)
+    # histogram buckets are cumulative
+    buckets = sorted(((float(dict(lbl)["le"]), v) for (name, lbl), v in after.items()
+                      if name == "pagellm:e2e_request_latency_seconds_bucket"))
+    assert [v for _, v in buckets] == sorted(v for _, v in buckets)
+    assert buckets[-1][1] == val(after, "pagellm:e2e_request_latency_seconds_count")
+
+
+# ------------------------------------------------------------------------------------------------ 6. logprobs, n, stop
+def test_completion_logprobs(client, ref, model_name):
+    out = ref["capital8"].outputs[0]
+    r = client.completions.create(model=model_name, prompt=CAPITAL_PROMPT, temperature=0, max_tokens=8, logprobs=2)
+    c = r.choices[0]
+    assert c.text == out.text
+    lp = c.logprobs
+    n = r.usage.completion_tokens
+    assert n == len(out.token_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == c.text
+    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tok_lp <= 0
+        assert len(top) == 2 and tok in top  # greedy: the chosen token is the top-1
+        assert tok_lp == pytest.approx(max(top.values()), abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # streamed, the per-chunk logprobs add up to the same thing
+    chunks = [ch for ch in client.completions.create(model=model_name, prompt=CAPITAL_PROMPT, temperature=0,
+                                                      max_tokens=8, logprobs=2, stream=True) if ch.choices]
+    assert sum((ch.choices[0].logprobs.tokens for ch in chunks), []) == lp.tokens
+
+
+def test_chat_logprobs(client, ref, model_name):
+    out = ref["chat16"]
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": CHAT_CONTENT}],
+                                       temperature=0, max_tokens=16, logprobs=True, top_logprobs=2)
+    c = r.choices[0]
+    assert c.message.content == out.outputs[0].text
+    content = c.logprobs.content
+    assert len(content) == r.usage.completion_tokens == len(out.outputs[0].token_ids)
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(e.token for e in content) == c.message.content
+
+
+def test_logprobs_without_alternatives(server, client, http, model_name):
+    """chat logprobs=true without top_logprobs, completions logprobs=0: per-token logprobs, no alternatives
+    (the engine once died on a batch where every request asked for 0 alternatives)."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": CHAT_CONTENT}],
+                                                "temperature": 0, "max_tokens": 4, "logprobs": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"]
+    assert all(e["top_logprobs"] == [] and e["logprob"] <= 0 for e in content)
+    r = client.completions.create(model=model_name, prompt=CAPITAL_PROMPT, temperature=0, max_tokens=4, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_n_choices_with_seed(client, ref, model_name):
+    kw = dict(model=model_name, prompt=SEED_PROMPT, n=2, temperature=0.8, seed=SEED, max_tokens=10)
+    r = client.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    # seeded: the same request gives the same choices; choice i uses seed + i, like offline
+    again = client.completions.create(**kw)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    offline = [ref["seed+0"], ref["seed+1"]]
+    assert [o.outputs[0].text for o in offline] == texts
+    assert texts[0] != texts[1]  # different seeds, different samples (for this prompt and seed)
+    assert r.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in offline)
+    assert r.usage.prompt_tokens == 2 * len(offline[0].prompt_token_ids)  # counted per choice, as vLLM does
+    # chat too
+    rc = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Say hi"}], n=2,
+                                        temperature=0.8, seed=7, max_tokens=6)
+    assert sorted(c.index for c in rc.choices) == [0, 1]
+
+
+def test_stop_strings_match_offline(client, llm, ref, model_name):
+    prompt = COUNT_PROMPT
+    base = ref["count24"].outputs[0].text
+    assert len(base) > 12
+    stop = base[5:10]  # may span several tokens
+    out = llm.generate(prompt, greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == base[:base.index(stop)]
+    r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=24, stop=[stop])
+    c = r.choices[0]
+    assert c.text == out.text and c.finish_reason == "stop"
+    assert c.model_extra.get("stop_reason") == stop
+    # streamed: text that might still become the stop string is held back, never sent and then cut
+    chunks = [ch for ch in client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=24,
+                                                      stop=[stop], stream=True) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == out.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # include_stop_str_in_output (vLLM extra, through extra_body)
+    r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=24, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == base[:base.index(stop) + len(stop)]

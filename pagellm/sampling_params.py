@@ -4,6 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# The seeds a torch generator takes (negative ones as their 64-bit two's complement).
+SEED_MIN, SEED_END = -2**63, 2**64
+
+
+def offset_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed of a request seeded ``seed`` (n > 1): seed + index, wrapped into the seeds a generator
+    takes, so every valid seed gives n valid ones (a generator reads -1 and 2**64 - 1 alike)."""
+    return (seed + index) % SEED_END
 
 
 @dataclass
@@ -65,8 +73,8 @@ class SamplingParams:
             raise bad("top_k", "-1, 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed < SEED_END):
+            raise bad("seed", "an integer in [-2**63, 2**64) (a torch generator's seed) or None")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -74,6 +74,10 @@ def test_bad_input_is_rejected_and_other_requests_still_finish(llm):
         (dict(prompt_token_ids=[5, vocab]), "vocabulary"),
         (dict(prompt_token_ids=[5, -1]), "vocabulary"),
         (dict(prompt_token_ids=[5] * 100, sampling_params=SamplingParams(max_tokens=2000)), "max_tokens"),
+        (dict(prompt_token_ids=[5, 6.0]), "token id 6.0 is not an integer"),
+        # a stop token the model cannot produce: min_tokens' mask indexed past the logits (the step loop died)
+        (dict(prompt_token_ids=[5, 6], sampling_params=SamplingParams(min_tokens=1, stop_token_ids=[vocab])),
+         "stop_token_ids: token id"),
     ]
     for kwargs, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -86,6 +90,19 @@ def test_bad_input_is_rejected_and_other_requests_still_finish(llm):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert [done[i] for i in ids] == expected
+    assert pool_is_whole(llm)
+
+
+def test_numpy_and_torch_token_ids_are_taken(llm):
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = list(range(40, 60))
+    want = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    for p in (np.array(ids), torch.tensor(ids), np.array(ids, dtype=np.int32)):
+        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == want
     assert pool_is_whole(llm)
 
 

@@ -53,3 +53,50 @@ def test_best_of_keeps_the_most_likely_samples(tiny):
                         use_tqdm=False)[0].outputs
     assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
     assert all(c.logprobs is None for c in best)  # not asked for
+
+
+def test_seeds_at_the_ends_of_the_range_wrap(tiny):
+    """Choice i is seeded seed + i, wrapped into a generator's seeds: 2**64 - 1 then 0 (it once overflowed for
+    choice 1, leaving choice 0 queued without its request, which broke the next generate)."""
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB")
+    prompt = {"prompt_token_ids": list(range(20, 50))}
+
+    def one(seed, n=1):
+        params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return [c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
+
+    top = one(2**64 - 1, n=2)
+    assert top == one(-1) + one(0)  # a generator reads -1 as 2**64 - 1
+    assert one(-2**63, n=2) == one(2**63) + one(2**63 + 1)
+    assert pool_is_whole(llm) and not llm.llm_engine.parents and not llm.llm_engine.parent_of
+
+
+def test_a_choices_id_is_not_free_for_another_request(tiny):
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request(prompt_token_ids=list(range(20, 40)), sampling_params=params, request_id="a#0")
+    with pytest.raises(ValueError, match="'a#0' is already a request's id"):
+        engine.add_request(prompt_token_ids=list(range(50, 60)), sampling_params=SamplingParams(n=2, max_tokens=5),
+                           request_id="a")
+    engine.add_request(prompt_token_ids=list(range(50, 60)), sampling_params=SamplingParams(n=2, max_tokens=5),
+                       request_id="b")
+    with pytest.raises(ValueError, match="'b#1' is already"):
+        engine.add_request(prompt_token_ids=[5, 6], sampling_params=params, request_id="b#1")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["a#0", "b"] and len(finished["b"].outputs) == 2
+    assert len(finished["a#0"].outputs[0].token_ids) == 5
+    assert pool_is_whole(llm) and not engine.parents and not engine.parent_of
+
+
+def test_aborting_a_choice_aborts_its_request(tiny):
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB")
+    engine = llm.llm_engine
+    engine.add_request(prompt_token_ids=list(range(20, 120)), request_id="p",
+                       sampling_params=SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.abort_request("p#1")
+    assert not engine.has_unfinished_requests() and not engine.abort_request("p")
+    assert pool_is_whole(llm) and not engine.parents and not engine.parent_of and not engine.requests

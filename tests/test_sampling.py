@@ -51,6 +51,15 @@ def test_top_k_one_and_tiny_temperature_are_greedy(tiny):
     assert topk1 == greedy
 
 
+def test_top_k_past_the_vocabulary_keeps_every_token(tiny):
+    """Any k >= the vocabulary is no top-k (one above int64's range once stopped the step loop)."""
+    _, llm = tiny
+    prompts = _prompts(3, seed=7)
+    outs = {k: [o.outputs[0].token_ids for o in _gen(llm, prompts, SamplingParams(
+        temperature=1.0, top_k=k, seed=21, max_tokens=10, ignore_eos=True))] for k in (0, 512, 10**6, 2**63)}
+    assert outs[512] == outs[10**6] == outs[2**63] == outs[0]
+
+
 def test_sampling_follows_the_distribution(tiny):
     """First-token frequencies over many seeded draws match softmax(logits / T) from HF's own forward pass."""
     path, llm = tiny
@@ -294,7 +303,8 @@ def test_inverse_cdf_draws_in_proportion():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
     ("min_tokens", -1), ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
-    ("frequency_penalty", -3.0), ("n", 0), ("best_of", 0), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("frequency_penalty", -3.0), ("n", 0), ("best_of", 0), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", 2**64),
+    ("seed", -2**63 - 1), ("seed", 1.5),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

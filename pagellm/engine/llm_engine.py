@@ -10,6 +10,7 @@ import ctypes
 import gc
 import itertools
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -95,7 +96,8 @@ class LLMEngine:
         del ckpt
         _return_freed_heap()  # before the KV cache's first pages are mapped: the high-water mark is set there
         self.vocab_size = self.model.shape.vocab_size
-        self.eos_token_ids = _eos_token_ids(cfg, self.tokenizer)
+        # (an id past the logits, which no step can sample, would break min_tokens' mask)
+        self.eos_token_ids = {t for t in _eos_token_ids(cfg, self.tokenizer) if 0 <= t < self.vocab_size}
 
         per_block = kv_bytes_per_block(self.model.shape, config.block_size, config.torch_kv_dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(
@@ -144,18 +146,22 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; give prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = _token_ids(prompt_token_ids)
         self._validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests or request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         fan_out = max(params.n, params.best_of or 1)
-        if fan_out > 1:
-            children = [f"{request_id}#{i}" for i in range(fan_out)]
-            for i, cid in enumerate(children):
-                self._add(prompt, prompt_token_ids, child_params(params, i), cid, cache_salt)
-                self.parent_of[cid] = request_id
+        # the ids this request takes: its own, and with n > 1 its children's (which must not be a caller's either)
+        children = [f"{request_id}#{i}" for i in range(fan_out)] if fan_out > 1 else []
+        for rid in [request_id, *children]:
+            if rid in self.requests or rid in self.parents:
+                raise ValueError(f"request_id {request_id!r} is already in use" if rid == request_id else
+                                 f"request_id {request_id!r}: its choice {rid!r} is already a request's id")
+        if children:
+            kids = [child_params(params, i) for i in range(fan_out)]  # (validated with params: cannot fail)
             self.parents[request_id] = ParentRequest(request_id, params, children)
+            for cid, kid in zip(children, kids):
+                self._add(prompt, prompt_token_ids, kid, cid, cache_salt)
+                self.parent_of[cid] = request_id
             return request_id
         return self._add(prompt, prompt_token_ids, params, request_id, cache_salt)
 
@@ -176,9 +182,12 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {limit}: the prompt plus at least "
@@ -231,12 +240,17 @@ class LLMEngine:
             self.kv_manager.pool.free(blocks)
 
     def abort_request(self, request_id: str) -> bool:
-        parent = self.parents.pop(request_id, None)
+        """Abort a request (all its choices for n > 1; a choice's own id aborts them all too, since the request's
+        output needs every one). False if it is unknown or has finished."""
+        parent = self.parents.pop(self.parent_of.get(request_id, request_id), None)
         if parent is not None:
-            aborted = [self.abort_request(c) for c in parent.child_ids]
+            aborted = [self._abort_one(c) for c in parent.child_ids]
             for c in parent.child_ids:
                 self.parent_of.pop(c, None)
             return any(aborted)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return False
@@ -401,6 +415,17 @@ class LLMEngine:
 # ids spread over the vocabulary).
 _CALIBRATION_TEXT = ("The library opens at nine in the morning and closes at six. Visitors may borrow up to five "
                      "books at a time, and most loans last three weeks. Ask at the front desk if you need help.")
+
+
+def _token_ids(ids) -> list[int]:
+    """A prompt's token ids as Python ints (NumPy and torch integers too); a ValueError names one that is not."""
+    out = []
+    for t in ids:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt_token_ids: token id {t!r} is not an integer") from None
+    return out
 
 
 def _eos_token_ids(hf_config, tokenizer) -> set[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, offset_seed
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -21,7 +21,7 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     logprobs = params.logprobs
     if params.best_of is not None and params.best_of > params.n and logprobs is None:
         logprobs = 0  # the sampled token's logprob only, to rank the samples
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else offset_seed(params.seed, index)
     return replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
 
 

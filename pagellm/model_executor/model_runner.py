@@ -150,7 +150,8 @@ class ModelRunner:
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+                vocab = self.model.shape.vocab_size  # (a larger k keeps every token, as k = vocab)
+                top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.int64, device=dev)
             if any(p.top_p < 1.0 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             if any(p.min_p > 0.0 for p in params):

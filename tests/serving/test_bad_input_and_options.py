@@ -33,6 +33,18 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "model": "nope"}, 404, "model"),
+    # each of these stopped the engine loop (every later request a 503) or answered 500
+    ("/v1/completions", {"prompt": "Hi", "min_tokens": 1, "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "seed": 2**64}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    # what would change the output and is not implemented is refused, not ignored
+    ("/v1/completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"50": 100}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 
@@ -218,11 +230,28 @@ def test_n_choices_with_seed(client, ref, model_name):
     assert [o.outputs[0].text for o in offline] == texts
     assert texts[0] != texts[1]  # different seeds, different samples (for this prompt and seed)
     assert r.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in offline)
-    assert r.usage.prompt_tokens == 2 * len(offline[0].prompt_token_ids)  # counted per choice, as vLLM does
+    assert r.usage.prompt_tokens == len(offline[0].prompt_token_ids)  # once per prompt, as vLLM counts
+    two = client.completions.create(**{**kw, "prompt": [SEED_PROMPT, SEED_PROMPT + " Mine"]})
+    assert len(two.choices) == 4 and two.usage.prompt_tokens == 2 * r.usage.prompt_tokens + 1  # (" Mine": 1 token)
     # chat too
-    rc = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Say hi"}], n=2,
-                                        temperature=0.8, seed=7, max_tokens=6)
+    msgs = [{"role": "user", "content": "Say hi"}]
+    rc = client.chat.completions.create(model=model_name, messages=msgs, n=2, temperature=0.8, seed=7, max_tokens=6)
     assert sorted(c.index for c in rc.choices) == [0, 1]
+    r1 = client.chat.completions.create(model=model_name, messages=msgs, temperature=0.8, seed=7, max_tokens=6)
+    assert rc.usage.prompt_tokens == r1.usage.prompt_tokens
+    stream = client.chat.completions.create(model=model_name, messages=msgs, n=2, temperature=0.8, seed=7,
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True})
+    assert [c.usage.prompt_tokens for c in stream if c.usage] == [r1.usage.prompt_tokens]
+    # the largest seed: choice 1's seed wraps to 0 (its seed + 1 once failed inside torch)
+    top = client.completions.create(**{**kw, "seed": 2**64 - 1})
+    assert [c.text for c in sorted(top.choices, key=lambda c: c.index)] == [
+        client.completions.create(**{**kw, "n": 1, "seed": s}).choices[0].text for s in (-1, 0)]
+
+
+def test_top_k_past_the_vocabulary_is_no_top_k(client, model_name):
+    kw = dict(model=model_name, prompt=SEED_PROMPT, temperature=0.8, seed=SEED, max_tokens=8)
+    texts = [client.completions.create(**kw, extra_body={"top_k": k}).choices[0].text for k in (-1, 2**63 - 1)]
+    assert texts[0] == texts[1]
 
 
 def test_stop_strings_match_offline(client, llm, ref, model_name):
@@ -245,3 +274,23 @@ def test_stop_strings_match_offline(client, llm, ref, model_name):
     r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=24, stop=[stop],
                                   extra_body={"include_stop_str_in_output": True})
     assert r.choices[0].text == base[:base.index(stop) + len(stop)]
+
+
+def test_chat_template_errors_name_the_field(llm):
+    import copy
+
+    from pagellm.entrypoints.openai.protocol import ChatMessage
+    from pagellm.entrypoints.openai.serving import render_chat
+
+    tok = copy.deepcopy(llm.get_tokenizer())
+    msgs = [ChatMessage(role="user", content="Hi")]
+    assert render_chat(tok, msgs, True, {"unused_variable": 1}) == tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: add_generation_prompt, tokenize cannot be set"):
+        render_chat(tok, msgs, True, {"tokenize": True, "add_generation_prompt": False})
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError, match=r"^messages: the model's chat template rejected them: Conversation roles"):
+        render_chat(tok, msgs, True)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"^messages: this model has no chat template"):
+        render_chat(tok, msgs, True)

@@ -16,7 +16,7 @@ from pagellm.entrypoints.openai.limits import ApiKeyAuth, BodySizeLimit
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  GenerateRequest, TokenizeRequest, error_body)
 from pagellm.entrypoints.openai.serving import (OpenAIServing, _Choice, chat_logprobs, completion_logprobs, now,
-                                                sse)
+                                                render_chat, sse)
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm")
@@ -89,8 +89,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         check_model(req.model)
         tok = engine.tokenizer
         if req.messages is not None:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           tokenize=False, add_generation_prompt=req.add_generation_prompt)
+            try:
+                text = render_chat(tok, req.messages, req.add_generation_prompt)
+            except ValueError as e:
+                raise to_400(e) from None
             ids = tok.encode(text, add_special_tokens=False)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -138,7 +140,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                              "stop_reason": c.stop_reason,
                              "logprobs": completion_logprobs(c, 0, len(c.token_ids), 0)
                              if req.logprobs is not None else None} for c in choices],
-                "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices])}
+                "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices[::req.n]])}
         return body
 
     @app.post("/v1/chat/completions")
@@ -162,7 +164,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                              "logprobs": chat_logprobs(c, 0, len(c.token_ids), top) if req.logprobs else None}
                             for c in choices],
-                "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices])}
+                "usage": serving.usage(choices, [len(choices[0].prompt_ids)])}
 
     # ------------------------------------------------------------------ helpers
     async def collect(raw: Request, gen, n: int, hold: int) -> list[_Choice]:
@@ -221,7 +223,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk" if make_chunk is chat_chunk
                                else "text_completion", "created": now(), "model": model_name, "choices": [],
-                               "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices])})
+                               "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices[::req.n]])})
                 yield sse("[DONE]")
             finally:
                 await gen.aclose()  # client gone or done: abort whatever still runs

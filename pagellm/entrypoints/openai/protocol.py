@@ -15,7 +15,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's server does
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM's server does (with a warning)
 
     model: str | None = None
     n: int = 1
@@ -41,6 +41,12 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One SamplingParams per choice; n is handled by the server (one engine request per choice)."""
+        # OpenAI fields that would change the output, which the engine does not implement: refused, not ignored
+        extra = self.model_extra or {}
+        if extra.get("logit_bias"):
+            raise ValueError("logit_bias is not supported")
+        if (fmt := extra.get("response_format")) is not None and fmt != {"type": "text"}:
+            raise ValueError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}")
         return SamplingParams(
             n=1, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -61,6 +67,10 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import jinja2
+
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, offset_seed
 
 
 @dataclass
@@ -48,13 +51,8 @@ class OpenAIServing:
         return [(None, list(x)) for x in p]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                                       **(req.chat_template_kwargs or {}))
-        return text, tok.encode(text, add_special_tokens=False)
+        text = render_chat(self.engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ running
     def _streams(self, prompts, params: SamplingParams, n: int,
@@ -63,7 +61,7 @@ class OpenAIServing:
         gens = []
         for prompt, ids in prompts:
             for i in range(n):
-                p = params if (n == 1 or params.seed is None) else _with_seed(params, params.seed + i)
+                p = params if (n == 1 or params.seed is None) else _with_seed(params, offset_seed(params.seed, i))
                 gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid(),
                                                  cache_salt=cache_salt))
         return gens
@@ -121,9 +119,26 @@ class OpenAIServing:
             choice.text = c.text[:max(choice.sent_text, len(c.text) - hold)]
 
     def usage(self, choices: list[_Choice], prompt_lens: list[int]) -> dict:
+        """prompt_lens: each prompt's tokens once, however many choices it has (as OpenAI and vLLM count)."""
         completion = sum(len(c.token_ids) for c in choices)
         prompt = sum(prompt_lens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
+    """Chat messages as the prompt text of the model's chat template; a ValueError names the field at fault.
+    kwargs: the template's own variables (e.g. enable_thinking), never apply_chat_template's arguments."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError("messages: this model has no chat template")
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    kwargs = kwargs or {}
+    own = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
+    if taken := sorted(own & set(kwargs)):
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the template's variables only)")
+    try:
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    except jinja2.TemplateError as e:  # e.g. the template's own raise_exception on roles it does not take
+        raise ValueError(f"messages: the model's chat template rejected them: {e}") from None
 
 
 def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int) -> dict:

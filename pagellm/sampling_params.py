@@ -1,6 +1,7 @@
 """Sampling parameters with vLLM's names, defaults and validation."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -41,6 +42,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # token id (int, or its decimal string as OpenAI's JSON sends it) -> added to its logit before sampling, clamped
+    # to [-100, 100] as OpenAI and vLLM do; -100 bans a token in practice, +100 all but forces it
+    logit_bias: dict[int, float] | None = None
     # Filled in by the engine: all token ids that end the request (EOS + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -54,6 +58,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -101,3 +107,20 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out = {}
+    for token, value in bias.items():
+        try:
+            tid = int(token) if isinstance(token, (int, str)) and not isinstance(token, bool) else None
+        except ValueError:
+            tid = None
+        if tid is None or tid < 0:
+            raise ValueError(f"logit_bias: key {token!r} is not a token id (a non-negative integer)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ValueError(f"logit_bias: the bias of token {tid} must be a number, got {value!r}")
+        out[tid] = min(100.0, max(-100.0, float(value)))
+    return out

@@ -12,6 +12,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.model_executor.layers.cpu_kernels import load_extension
 from pagellm.model_executor.sampler import (Sampler, SamplingMetadata, _inverse_cdf, apply_min_p, apply_penalties,
                                              apply_top_k_top_p_min_p, top_k_top_p_probs)
+from tests.conftest import pool_is_whole
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,51 @@ def test_top_k_past_the_vocabulary_keeps_every_token(tiny):
     outs = {k: [o.outputs[0].token_ids for o in _gen(llm, prompts, SamplingParams(
         temperature=1.0, top_k=k, seed=21, max_tokens=10, ignore_eos=True))] for k in (0, 512, 10**6, 2**63)}
     assert outs[512] == outs[10**6] == outs[2**63] == outs[0]
+
+
+def test_logit_bias_matches_hf_sequence_bias(tiny):
+    """Greedy with logit_bias against HF's greedy generate with the same single-token sequence_bias (fp32): each
+    step adds the biases to the logits; logprobs stay the model's own (vLLM's default)."""
+    path, llm = tiny
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [p["prompt_token_ids"] for p in _prompts(3, seed=13)]
+    plain = [o.outputs[0].token_ids for o in _gen(llm, [{"prompt_token_ids": p} for p in prompts],
+                                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    # ban each prompt's first greedy token, push a token it never picks, and nudge another by a fraction
+    for p, base in zip(prompts, plain):
+        bias = {base[0]: -100.0, (base[0] + 7) % 512: 3.5, (base[1] + 3) % 512: 0.25}
+        with torch.inference_mode():
+            ids = torch.tensor([p])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                               eos_token_id=None, pad_token_id=0,
+                               sequence_bias={(t,): b for t, b in bias.items()})[0, len(p):].tolist()
+        out = _gen(llm, [{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                   logit_bias=bias, logprobs=0))[0].outputs[0]
+        assert out.token_ids == want and base[0] not in out.token_ids
+        with torch.inference_mode():
+            raw = hf(torch.tensor([p + want])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        assert [e[t].logprob for e, t in zip(out.logprobs, want)] == pytest.approx(
+            raw.gather(1, torch.tensor(want)[:, None]).squeeze(1).tolist(), abs=1e-4)
+    # in a batch, each request only its own bias; string keys (OpenAI's JSON) and values past +-100 clamped
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={str(plain[0][0]): -1e9}),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    assert params[0].logit_bias == {plain[0][0]: -100.0}
+    outs = _gen(llm, [{"prompt_token_ids": p} for p in prompts[:2]], params)
+    assert plain[0][0] not in outs[0].outputs[0].token_ids and outs[1].outputs[0].token_ids == plain[1]
+    forced = _gen(llm, [{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=1.0, seed=5, max_tokens=6,
+                                                                         ignore_eos=True, logit_bias={42: 100}))
+    assert forced[0].outputs[0].token_ids == [42] * 6  # sampled rows see the bias too
+    with pytest.raises(ValueError, match=r"logit_bias: token id 512 is outside the vocabulary \[0, 512\)"):
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)
+    assert pool_is_whole(llm)
+
+
+@pytest.mark.parametrize("bias,match", [({"x": 1.0}, "key 'x' is not a token id"), ({-1: 1.0}, "key -1"),
+                                        ({3: float("nan")}, "bias of token 3 must be a number"),
+                                        ({3: "1"}, "bias of token 3"), ([3], "must be a dict")])
+def test_bad_logit_bias_names_the_field(bias, match):
+    with pytest.raises(ValueError, match=f"logit_bias.*{match}"):
+        SamplingParams(logit_bias=bias)
 
 
 def test_sampling_follows_the_distribution(tiny):

@@ -185,9 +185,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            if bad := [t for t in tokens if t >= self.vocab_size]:
+                raise ValueError(f"{name}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {limit}: the prompt plus at least "

@@ -175,12 +175,20 @@ class ModelRunner:
         stop_rows = torch.tensor(rows, dtype=torch.int64, device=dev) if rows else None
         stop_toks = torch.tensor(toks, dtype=torch.int64, device=dev) if rows else None
 
+        bias_rows = bias_toks = bias_vals = None
+        if bias := [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]:
+            rows_of, toks_of, vals_of = zip(*bias)
+            bias_rows = torch.tensor(rows_of, dtype=torch.int64, device=dev)
+            bias_toks = torch.tensor(toks_of, dtype=torch.int64, device=dev)
+            bias_vals = torch.tensor(vals_of, dtype=torch.float32, device=dev)
+
         nlp = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
             temperature=temperature.to(dev), all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
             generators=generators, prompt_token_ids=prompt_ids, output_token_ids=output_ids,
             repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-            stop_mask_rows=stop_rows, stop_mask_tokens=stop_toks, max_num_logprobs=max(nlp) if nlp else None)
+            stop_mask_rows=stop_rows, stop_mask_tokens=stop_toks, max_num_logprobs=max(nlp) if nlp else None,
+            bias_rows=bias_rows, bias_tokens=bias_toks, bias_values=bias_vals)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

@@ -33,6 +33,10 @@ class SamplingMetadata:
     stop_mask_rows: torch.Tensor | None  # [M] row index
     stop_mask_tokens: torch.Tensor | None  # [M] token id
     max_num_logprobs: int | None  # largest top-k logprobs asked by any row; None = no row wants logprobs
+    # logit_bias: (row, token, bias) triples added to the logits before anything else (None when no row has one)
+    bias_rows: torch.Tensor | None = None  # [B] row index
+    bias_tokens: torch.Tensor | None = None  # [B] token id
+    bias_values: torch.Tensor | None = None  # [B] float32
 
 
 @dataclass
@@ -106,9 +110,10 @@ class Sampler:
 
     @staticmethod
     def argmax_only(m: SamplingMetadata) -> bool:
-        """A plain greedy batch (no penalties, stop masks or logprobs): its tokens are the logits' argmax, which
-        the model may hand over in place of the logits (LlamaForCausalLM.forward's argmax)."""
-        return m.all_greedy and m.prompt_token_ids is None and m.stop_mask_rows is None and m.max_num_logprobs is None
+        """A plain greedy batch (no penalties, biases, stop masks or logprobs): its tokens are the logits' argmax,
+        which the model may hand over in place of the logits (LlamaForCausalLM.forward's argmax)."""
+        return (m.all_greedy and m.prompt_token_ids is None and m.bias_rows is None and m.stop_mask_rows is None
+                and m.max_num_logprobs is None)
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] in the model's dtype, one row per request that samples this step. A plain greedy batch
@@ -118,7 +123,9 @@ class Sampler:
             return SamplerOutput(self._argmax(logits), None, None, None, None)
         private = logits.dtype != torch.float32  # .float() copies: the penalties may write into the copy
         logits = logits.float()
-        raw = logits
+        raw = logits  # what logprobs report (as vLLM's default): the model's, before biases and penalties
+        if m.bias_rows is not None:  # (as vLLM: the bias first, then the penalties on the biased logits)
+            logits = logits.index_put((m.bias_rows, m.bias_tokens), m.bias_values, accumulate=True)
         if m.prompt_token_ids is not None:
             logits = apply_penalties(logits, m, inplace=private and m.max_num_logprobs is None)
         if m.stop_mask_rows is not None:

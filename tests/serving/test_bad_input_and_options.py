@@ -42,7 +42,9 @@ BAD_REQUESTS = [
     # what would change the output and is not implemented is refused, not ignored
     ("/v1/completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
-    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"50": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"fifty": 100}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"99999": 1}}, 400,
+     "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
@@ -246,6 +248,20 @@ def test_n_choices_with_seed(client, ref, model_name):
     top = client.completions.create(**{**kw, "seed": 2**64 - 1})
     assert [c.text for c in sorted(top.choices, key=lambda c: c.index)] == [
         client.completions.create(**{**kw, "n": 1, "seed": s}).choices[0].text for s in (-1, 0)]
+
+
+def test_logit_bias(client, llm, ref, model_name):
+    base = ref["capital8"].outputs[0]
+    first = base.token_ids[0]
+    kw = dict(model=model_name, prompt=CAPITAL_PROMPT, temperature=0, max_tokens=8)
+    banned = client.completions.create(**kw, logit_bias={str(first): -100})
+    assert banned.choices[0].text != base.text
+    offline = llm.generate(CAPITAL_PROMPT, greedy(8, logit_bias={first: -100}), use_tqdm=False)[0].outputs[0]
+    assert banned.choices[0].text == offline.text
+    assert client.completions.create(**kw, logit_bias={str(first): 0}).choices[0].text == base.text
+    forced = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                            temperature=0, max_tokens=3, logit_bias={str(first): 100})
+    assert forced.choices[0].message.content == llm.get_tokenizer().decode([first] * 3)
 
 
 def test_top_k_past_the_vocabulary_is_no_top_k(client, model_name):

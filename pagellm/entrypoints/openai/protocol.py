@@ -25,6 +25,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -41,11 +42,8 @@ class _SamplingFields(BaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One SamplingParams per choice; n is handled by the server (one engine request per choice)."""
-        # OpenAI fields that would change the output, which the engine does not implement: refused, not ignored
-        extra = self.model_extra or {}
-        if extra.get("logit_bias"):
-            raise ValueError("logit_bias is not supported")
-        if (fmt := extra.get("response_format")) is not None and fmt != {"type": "text"}:
+        # an OpenAI field that would change the output, which the engine does not implement: refused, not ignored
+        if (fmt := (self.model_extra or {}).get("response_format")) is not None and fmt != {"type": "text"}:
             raise ValueError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}")
         return SamplingParams(
             n=1, temperature=1.0 if self.temperature is None else self.temperature,
@@ -55,7 +53,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_SamplingFields):

@@ -44,6 +44,28 @@ def test_chat_applies_the_template(llm):
     assert out.outputs[0].finish_reason == "stop"  # the model ends its turn with <|im_end|> (EOS)
 
 
+def test_chat_template_kwargs_and_template_errors(llm):
+    import copy
+
+    from pagellm.entrypoints.chat_utils import render_chat
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    template = "{{ greeting }}, {{ messages[0]['content'] }}!"
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"greeting": "Hello"})[0]
+    assert out.prompt == "Hello, Hi!"
+    tok = copy.deepcopy(llm.get_tokenizer())
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: add_generation_prompt, tokenize cannot be set"):
+        render_chat(tok, msgs, True, chat_template_kwargs={"tokenize": True, "add_generation_prompt": False})
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ValueError, match=r"^messages: the model's chat template rejected them: Conversation roles"):
+        render_chat(tok, msgs)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"^messages: this model has no chat template"):
+        render_chat(tok, msgs)
+    assert render_chat(tok, msgs, chat_template=template, chat_template_kwargs={"greeting": "Yo"}) == "Yo, Hi!"
+
+
 def test_stop_strings_across_token_boundaries(llm):
     prompt = "Count: 1, 2, 3, 4, 5, 6,"
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
@@ -169,8 +191,6 @@ def test_cpu_cache_left_unwritten_never_leaks_into_attention(gguf_path, dtype):
     # read a slot no token was written to. Poison every slot with NaN before generating: prompts of mixed lengths,
     # prefilled in chunks (budget 64) and decoded together, must give the tokens of an engine whose cache is
     # fresh, untouched memory (zero pages).
-    import torch
-
     prompts = [{"prompt_token_ids": [(i * 31 + j * 7) % 4000 + 100 for j in range(n)]}
                for i, n in enumerate((5, 33, 150, 70))]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagellm.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.chat_utils import render_chat
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -64,16 +65,17 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or several, then generate."""
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several, then generate.
+        chat_template_kwargs: the template's own variables (e.g. Qwen3's enable_thinking)."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+            text = render_chat(tok, conv, add_generation_prompt, chat_template, chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -292,21 +293,11 @@ def test_stop_strings_match_offline(client, llm, ref, model_name):
     assert r.choices[0].text == base[:base.index(stop) + len(stop)]
 
 
-def test_chat_template_errors_name_the_field(llm):
-    import copy
 
-    from pagellm.entrypoints.openai.protocol import ChatMessage
-    from pagellm.entrypoints.openai.serving import render_chat
-
-    tok = copy.deepcopy(llm.get_tokenizer())
-    msgs = [ChatMessage(role="user", content="Hi")]
-    assert render_chat(tok, msgs, True, {"unused_variable": 1}) == tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    with pytest.raises(ValueError, match=r"^chat_template_kwargs: add_generation_prompt, tokenize cannot be set"):
-        render_chat(tok, msgs, True, {"tokenize": True, "add_generation_prompt": False})
-    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
-    with pytest.raises(ValueError, match=r"^messages: the model's chat template rejected them: Conversation roles"):
-        render_chat(tok, msgs, True)
-    tok.chat_template = None
-    with pytest.raises(ValueError, match=r"^messages: this model has no chat template"):
-        render_chat(tok, msgs, True)
+def test_unknown_fields_are_ignored_and_logged(server, http):
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "frobnicate": 1, "zeta": "z"})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while "ignored: ['frobnicate', 'zeta']" not in server.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the ignored fields were not logged"
+        time.sleep(0.1)

@@ -12,11 +12,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagellm import __version__
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagellm.entrypoints.chat_utils import render_chat
 from pagellm.entrypoints.openai.limits import ApiKeyAuth, BodySizeLimit
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  GenerateRequest, TokenizeRequest, error_body)
 from pagellm.entrypoints.openai.serving import (OpenAIServing, _Choice, chat_logprobs, completion_logprobs, now,
-                                                render_chat, sse)
+                                                sse)
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm")
@@ -62,6 +63,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model")
 
+    def warn_ignored(req) -> None:
+        if req.model_extra:  # (as vLLM: a client sending fields this server lacks should find out from its log)
+            logger.warning("The following fields were present in the request but ignored: %s", sorted(req.model_extra))
+
     def to_400(e: ValueError) -> APIError:
         return APIError(400, str(e), param=_param_of(str(e)))
 
@@ -90,7 +95,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         tok = engine.tokenizer
         if req.messages is not None:
             try:
-                text = render_chat(tok, req.messages, req.add_generation_prompt)
+                text = render_chat(tok, [m.as_dict() for m in req.messages], req.add_generation_prompt)
             except ValueError as e:
                 raise to_400(e) from None
             ids = tok.encode(text, add_special_tokens=False)
@@ -121,6 +126,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
+        warn_ignored(req)
         try:
             if req.best_of is not None and req.best_of != req.n:
                 raise ValueError(f"best_of must equal n ({req.n}) for now, got {req.best_of}")
@@ -146,6 +152,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
+        warn_ignored(req)
         try:
             params = req.sampling_params()
             if not 1 <= req.n <= 16:

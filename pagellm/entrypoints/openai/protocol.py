@@ -88,6 +88,10 @@ class ChatMessage(BaseModel):
             parts.append(part.get("text", ""))
         return "".join(parts)
 
+    def as_dict(self) -> dict[str, str]:
+        """The message as a chat template takes it (role, text content)."""
+        return {"role": self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

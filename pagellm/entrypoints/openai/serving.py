@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import jinja2
-
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pagellm.entrypoints.chat_utils import render_chat
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, offset_seed
 
@@ -51,7 +49,8 @@ class OpenAIServing:
         return [(None, list(x)) for x in p]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        text = render_chat(self.engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        text = render_chat(self.engine.tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt,
+                           chat_template_kwargs=req.chat_template_kwargs)
         return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ running
@@ -123,22 +122,6 @@ class OpenAIServing:
         completion = sum(len(c.token_ids) for c in choices)
         prompt = sum(prompt_lens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def render_chat(tok, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
-    """Chat messages as the prompt text of the model's chat template; a ValueError names the field at fault.
-    kwargs: the template's own variables (e.g. enable_thinking), never apply_chat_template's arguments."""
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ValueError("messages: this model has no chat template")
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    kwargs = kwargs or {}
-    own = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
-    if taken := sorted(own & set(kwargs)):
-        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the template's variables only)")
-    try:
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
-    except jinja2.TemplateError as e:  # e.g. the template's own raise_exception on roles it does not take
-        raise ValueError(f"messages: the model's chat template rejected them: {e}") from None
 
 
 def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int) -> dict:

@@ -15,6 +15,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token: None for the first (nothing before it), then as SampleLogprobs' (the prompt's token first).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -36,3 +38,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -37,6 +37,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # per prompt token after the first: its logprob given the tokens before it, and this many most likely tokens
+    # (vLLM's prompt_logprobs; the request then computes its whole prompt, without the prefix cache's blocks)
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -91,8 +94,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+                raise bad(name, "an integer in [0, 20] or None")
         if not 0.0 < self.repetition_penalty:
             raise bad("repetition_penalty", "> 0")
         if not -2.0 <= self.presence_penalty <= 2.0:

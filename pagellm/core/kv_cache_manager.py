@@ -60,7 +60,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Cached blocks matching the start of a request that has nothing computed (admission)."""
-        if not self.enable_prefix_caching or request.num_computed_tokens:
+        if not self.enable_prefix_caching or request.num_computed_tokens or request.prompt_logprobs_pending:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size  # leave at least one token to compute
         hits = []

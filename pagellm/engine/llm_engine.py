@@ -305,9 +305,11 @@ class LLMEngine:
         self._record_kv_usage()
         for s in so.scheduled:
             self.stats.prompt_tokens_computed += max(0, min(s.request.num_prompt_tokens - s.start, s.num_tokens))
-        reqs, sampled = self.runner.execute(so)
+        reqs, sampled, prompt_lp = self.runner.execute(so)
         self.stats.num_steps += 1
         with record_function("pagellm.update_detokenize"):
+            if prompt_lp is not None:
+                self._record_prompt_logprobs(prompt_lp)
             outputs = self._update(reqs, sampled) if reqs else []
         self.stats.num_used_blocks = self.kv_manager.pool.num_used_blocks
         return self._merge_children(outputs) if self.parent_of else outputs
@@ -356,8 +358,8 @@ class LLMEngine:
             if lp is not None:
                 req.cumulative_logprob += lp[i]
                 if req.logprobs is not None:
-                    req.logprobs.append(self._logprob_entry(req, tok, lp[i], ranks[i], top_ids[i] if top_ids else [],
-                                                            top_lp[i] if top_lp else []))
+                    req.logprobs.append(self._logprob_entry(req.sampling_params.logprobs, tok, lp[i], ranks[i],
+                                                            top_ids[i] if top_ids else [], top_lp[i] if top_lp else []))
             status = self._check_stop(req, tok)
             if status is not None:
                 self.scheduler.finish_request(req, status)
@@ -381,9 +383,23 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _logprob_entry(self, req, tok, lp, rank, top_ids, top_lp) -> dict[int, Logprob]:
-        """The sampled token first, then the request's top-k (rank = position in the top-k)."""
-        k = req.sampling_params.logprobs
+    def _record_prompt_logprobs(self, rows) -> None:
+        """Append each request's new prompt-token entries (ModelRunner's PromptLogprobRows, spans in row order)."""
+        out = rows.lp
+        tokens, lp, ranks = out.sampled.tolist(), out.logprob.tolist(), out.rank.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        i = 0
+        for req, n in rows.spans:
+            k = req.sampling_params.prompt_logprobs
+            for j in range(i, i + n):
+                req.prompt_logprobs.append(self._logprob_entry(k, tokens[j], lp[j], ranks[j],
+                                                               top_ids[j] if top_ids else [],
+                                                               top_lp[j] if top_lp else []))
+            i += n
+
+    def _logprob_entry(self, k, tok, lp, rank, top_ids, top_lp) -> dict[int, Logprob]:
+        """The chosen token first, then the top k (rank = position in the top-k)."""
         entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
         for r, (t, v) in enumerate(zip(top_ids[:k], top_lp[:k]), start=1):
             entry.setdefault(t, Logprob(v, r, self._decode_one(t)))
@@ -408,7 +424,8 @@ class LLMEngine:
                    "num_cached_tokens": req.num_cached_prompt_tokens}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, metrics,
+                             req.prompt_logprobs)
 
 
 # LLMEngine.choose_int8_outliers' prompt: a paragraph of plain English (without a tokenizer, or past its end, token

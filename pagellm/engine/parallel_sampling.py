@@ -22,7 +22,9 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.best_of is not None and params.best_of > params.n and logprobs is None:
         logprobs = 0  # the sampled token's logprob only, to rank the samples
     seed = None if params.seed is None else offset_seed(params.seed, index)
-    return replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
+    # the prompt's logprobs once, from the first child (the others share its prompt blocks)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -48,4 +50,5 @@ class ParentRequest:
                                             c.logprobs if keep_lp else None, c.finish_reason, c.stop_reason))
         first = children[0]
         metrics = {"num_cached_tokens": sum(c.metrics.get("num_cached_tokens", 0) for c in children)}
-        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs, True, metrics)
+        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs, True, metrics,
+                             first.prompt_logprobs)

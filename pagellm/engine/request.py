@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.core.block_pool import KVCacheBlock
-from pagellm.outputs import SampleLogprobs
+from pagellm.outputs import PromptLogprobs, SampleLogprobs
 from pagellm.sampling_params import SamplingParams
 
 
@@ -59,6 +59,7 @@ class Request:
     # Outputs
     output_text: str = ""
     logprobs: SampleLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # filled as the prompt's chunks run
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     generator: torch.Generator | None = None  # per-request RNG when sampling_params.seed is set
@@ -67,6 +68,13 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet (its prompt must run, not come from the cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

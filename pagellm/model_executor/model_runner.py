@@ -6,6 +6,8 @@ new token ids and block ids.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.profiler import record_function
@@ -14,6 +16,17 @@ from pagellm.core.scheduler import SchedulerOutput
 from pagellm.model_executor.layers.attention import AttentionMetadata, CascadePrefix, find_cascade_prefix
 from pagellm.model_executor.models.llama import LlamaForCausalLM, ModelShape
 from pagellm.model_executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+PROMPT_LOGPROB_ROWS = 512  # prompt-logprob rows whose logits are made fp32 at a time (a [512, vocab] copy)
+
+
+@dataclass
+class PromptLogprobRows:
+    """One step's prompt logprobs: for each (request, n) of ``spans`` in order, its next n rows of ``lp`` (the
+    logprobs of its prompt tokens from the next one it lacks on)."""
+
+    spans: list[tuple]
+    lp: SamplerOutput
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -104,6 +117,9 @@ class ModelRunner:
 
         samples = np.fromiter((s.samples for s in sched), dtype=bool, count=len(sched))
         logits_indices = cu[1:][samples] - 1
+        plp_spans, plp_rows, plp_targets = _prompt_logprob_rows(sched, cu)
+        if plp_spans:  # their logits follow the sampling rows'
+            logits_indices = np.concatenate([logits_indices, plp_rows])
         decode_rows = np.nonzero(q_lens == 1)[0]
         prefill_rows = np.nonzero(q_lens > 1)[0].tolist()
 
@@ -122,7 +138,9 @@ class ModelRunner:
             decode_block_tables=t(np.ascontiguousarray(block_tables[decode_rows])),
             decode_seq_lens=t(seq_lens[decode_rows]), prefill_rows=prefill_rows,
             max_decode_seq_len=int(seq_lens[decode_rows].max()) if len(decode_rows) else 0, cascade=cascade)
-        return t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f]
+        plp = (plp_spans, t(np.array(plp_targets, dtype=np.int64))) if plp_spans else None
+        return (t(token_ids), t(positions), meta, t(logits_indices), [s.request for s, f in zip(sched, samples) if f],
+                plp)
 
     @torch.inference_mode()
     def forward_prompt(self, tokens: list[int], block_ids: list[int], first: int) -> torch.Tensor:
@@ -192,21 +210,51 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> tuple[list, SamplerOutput | None]:
-        """Run one step; returns the requests that sampled a token (in row order) and the sampler's output."""
+    def execute(self, so: SchedulerOutput) -> tuple[list, SamplerOutput | None, PromptLogprobRows | None]:
+        """Run one step; returns the requests that sampled a token (in row order), the sampler's output, and the
+        prompt logprobs this step computed (None if none)."""
         with record_function("pagellm.prepare_inputs"):
-            input_ids, positions, meta, logits_indices, sampling_reqs = self._prepare(so)
+            input_ids, positions, meta, logits_indices, sampling_reqs, plp = self._prepare(so)
             m = self._sampling_metadata(sampling_reqs) if sampling_reqs else None
         with record_function("pagellm.forward"):
             # a plain greedy batch may get its tokens from the LM head's kernel directly (no logits)
             out = self.model(input_ids, positions, self.kv_caches, meta, logits_indices,
-                             argmax=m is not None and self.sampler.argmax_only(m))
+                             argmax=m is not None and plp is None and self.sampler.argmax_only(m))
+        prompt_lp = None
+        if plp is not None:
+            with record_function("pagellm.prompt_logprobs"):
+                prompt_lp = self._prompt_logprobs(out[len(sampling_reqs):], *plp)
+            out = out[:len(sampling_reqs)]
         if not sampling_reqs:
-            return [], None
+            return [], None, prompt_lp
         if out.dtype == torch.int64:
-            return sampling_reqs, SamplerOutput(out, None, None, None, None)
+            return sampling_reqs, SamplerOutput(out, None, None, None, None), prompt_lp
         with record_function("pagellm.sample"):
-            return sampling_reqs, self.sampler(out, m)
+            return sampling_reqs, self.sampler(out, m), prompt_lp
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list, targets: torch.Tensor) -> PromptLogprobRows:
+        k = max(r.sampling_params.prompt_logprobs for r, _ in spans)
+        parts = [self.sampler.logprobs(logits[i:i + PROMPT_LOGPROB_ROWS].float(), targets[i:i + PROMPT_LOGPROB_ROWS],
+                                       k) for i in range(0, len(targets), PROMPT_LOGPROB_ROWS)]
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+        return PromptLogprobRows(spans, SamplerOutput(*(cat([getattr(p, f) for p in parts]) for f in (
+            "sampled", "logprob", "rank", "top_ids", "top_logprobs"))))
+
+
+def _prompt_logprob_rows(sched, cu: np.ndarray) -> tuple[list, np.ndarray, list[int]]:
+    """The step's rows whose logits give prompt logprobs: of the requests that ask for them, the positions p <
+    prompt length - 1 (each predicts prompt token p + 1) whose entry they lack (a recompute after a preemption has
+    some). Returns (request, row count) spans, the rows, and the tokens they predict."""
+    spans, rows, targets = [], [], []
+    for i, s in enumerate(sched):
+        r = s.request
+        if r.prompt_logprobs_pending and s.start <= len(r.prompt_logprobs) - 1:
+            lo, hi = len(r.prompt_logprobs) - 1, min(s.start + s.num_tokens, r.num_prompt_tokens - 1)
+            if lo < hi:
+                spans.append((r, hi - lo))
+                rows.append(np.arange(cu[i] + lo - s.start, cu[i] + hi - s.start))
+                targets += r.prompt_token_ids[lo + 1:hi + 1]
+    return spans, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), targets
 
 
 def _raw(cache: torch.Tensor | None) -> torch.Tensor | None:

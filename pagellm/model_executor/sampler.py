@@ -143,18 +143,22 @@ class Sampler:
 
         if m.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None, None)
-        k = m.max_num_logprobs
+        return self.logprobs(raw, sampled, m.max_num_logprobs)
+
+    def logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+        """Each row's log-softmax (raw: [R, V] fp32) at its token (int64 [R]), that token's rank, and the row's k
+        most likely tokens (none for k = 0); ``tokens`` comes back as ``sampled``."""
         if self.ops is not None and raw.is_cpu:  # one C++ pass pair per row instead of ~10 ms of [R, V] ops
             r = raw.shape[0]
             chosen, rank = torch.empty(r), torch.empty(r, dtype=torch.int64)
             top_ids, top_lp = torch.empty(r, k, dtype=torch.int64), torch.empty(r, k)
-            self.ops.logprobs_rows(raw.contiguous(), sampled.contiguous(), k, chosen, rank, top_ids, top_lp)
-            return SamplerOutput(sampled, chosen, rank, top_ids if k > 0 else None, top_lp if k > 0 else None)
+            self.ops.logprobs_rows(raw.contiguous(), tokens.contiguous(), k, chosen, rank, top_ids, top_lp)
+            return SamplerOutput(tokens, chosen, rank, top_ids if k > 0 else None, top_lp if k > 0 else None)
         logprobs = raw.log_softmax(-1)
-        chosen = logprobs.gather(1, sampled[:, None])
+        chosen = logprobs.gather(1, tokens[:, None])
         rank = (logprobs > chosen).sum(-1) + 1
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-        return SamplerOutput(sampled, chosen.squeeze(1), rank, top_ids, top_lp)
+        return SamplerOutput(tokens, chosen.squeeze(1), rank, top_ids, top_lp)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.ops is None or not logits.is_cpu:

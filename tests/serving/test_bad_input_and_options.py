@@ -41,7 +41,7 @@ BAD_REQUESTS = [
                               "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     # what would change the output and is not implemented is refused, not ignored
-    ("/v1/completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"fifty": 100}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"99999": 1}}, 400,
@@ -187,6 +187,44 @@ def test_completion_logprobs(client, ref, model_name):
     chunks = [ch for ch in client.completions.create(model=model_name, prompt=CAPITAL_PROMPT, temperature=0,
                                                       max_tokens=8, logprobs=2, stream=True) if ch.choices]
     assert sum((ch.choices[0].logprobs.tokens for ch in chunks), []) == lp.tokens
+
+
+def test_echo_and_prompt_logprobs(client, http, llm, ref, model_name):
+    """echo puts the prompt before the completion (with logprobs, its tokens' too, the first with None), as vLLM;
+    prompt_logprobs returns them per choice (completions) or per response (chat); all as the offline engine's."""
+    out = ref["capital8"].outputs[0]
+    kw = dict(model=model_name, prompt=CAPITAL_PROMPT, temperature=0, max_tokens=8)
+    assert client.completions.create(**kw, echo=True).choices[0].text == CAPITAL_PROMPT + out.text
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, echo=True, stream=True)
+                       if ch.choices)
+    assert streamed == CAPITAL_PROMPT + out.text
+    offline = llm.generate(CAPITAL_PROMPT, greedy(8, prompt_logprobs=2), use_tqdm=False)[0]
+    ids, plp = offline.prompt_token_ids, offline.prompt_logprobs
+    plain = client.completions.create(**kw, logprobs=2).choices[0].logprobs
+    for stream in (False, True):
+        r = client.completions.create(**kw, echo=True, logprobs=2, stream=stream)
+        chunks = [ch.choices[0] for ch in r if ch.choices] if stream else r.choices
+        lp = [c.logprobs for c in chunks]
+        tokens, lps = sum((x.tokens for x in lp), []), sum((x.token_logprobs for x in lp), [])
+        tops, offsets = sum((x.top_logprobs for x in lp), []), sum((x.text_offset for x in lp), [])
+        assert "".join(c.text for c in chunks) == "".join(tokens) == CAPITAL_PROMPT + out.text
+        assert len(tokens) == len(ids) + len(out.token_ids)
+        assert lps[0] is None and tops[0] is None and offsets[0] == 0
+        assert lps[1:len(ids)] == pytest.approx([plp[j][ids[j]].logprob for j in range(1, len(ids))], abs=1e-4)
+        assert all(len(t) >= 2 for t in tops[1:len(ids)])  # the top 2, and the prompt's token if not among them
+        assert tokens[len(ids):] == plain.tokens and lps[len(ids):] == pytest.approx(plain.token_logprobs, abs=1e-4)
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    r = http.post("/v1/completions", json={**kw, "prompt_logprobs": 2}).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for j in range(1, len(ids)):
+        assert {int(t) for t in got[j]} == set(plp[j])
+        assert got[j][str(ids[j])]["logprob"] == pytest.approx(plp[j][ids[j]].logprob, abs=1e-4)
+        assert got[j][str(ids[j])]["rank"] == plp[j][ids[j]].rank
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": CHAT_CONTENT}],
+                                                   "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert http.post("/v1/completions", json=kw).json()["choices"][0]["prompt_logprobs"] is None
 
 
 def test_chat_logprobs(client, ref, model_name):

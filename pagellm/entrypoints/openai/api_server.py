@@ -17,7 +17,7 @@ from pagellm.entrypoints.openai.limits import ApiKeyAuth, BodySizeLimit
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  GenerateRequest, TokenizeRequest, error_body)
 from pagellm.entrypoints.openai.serving import (OpenAIServing, _Choice, chat_logprobs, completion_logprobs, now,
-                                                sse)
+                                                prompt_logprobs_json, sse)
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm")
@@ -138,14 +138,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
                 return await stream_response(gen, len(prompts) * req.n, hold, completion_chunk, req)
-            choices = await collect(raw, gen, len(prompts) * req.n, hold)
+            choices = await collect(raw, gen, len(prompts) * req.n, hold, req.echo)
         except ValueError as e:
             raise to_400(e) from None
         body = {"id": f"cmpl-{_id()}", "object": "text_completion", "created": now(), "model": model_name,
-                "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "choices": [{"index": c.index, "text": (c.prompt_text or "") + c.text, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason,
-                             "logprobs": completion_logprobs(c, 0, len(c.token_ids), 0)
-                             if req.logprobs is not None else None} for c in choices],
+                             "logprobs": completion_logprobs(c, 0, len(c.token_ids), 0, with_prompt=req.echo)
+                             if req.logprobs is not None else None,
+                             "prompt_logprobs": prompt_logprobs_json(c.prompt_logprobs)
+                             if req.prompt_logprobs is not None else None} for c in choices],
                 "usage": serving.usage(choices, [len(c.prompt_ids) for c in choices[::req.n]])}
         return body
 
@@ -171,12 +173,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                              "logprobs": chat_logprobs(c, 0, len(c.token_ids), top) if req.logprobs else None}
                             for c in choices],
+                "prompt_logprobs": prompt_logprobs_json(choices[0].prompt_logprobs)
+                if req.prompt_logprobs is not None else None,
                 "usage": serving.usage(choices, [len(choices[0].prompt_ids)])}
 
     # ------------------------------------------------------------------ helpers
-    async def collect(raw: Request, gen, n: int, hold: int) -> list[_Choice]:
+    async def collect(raw: Request, gen, n: int, hold: int, echo: bool = False) -> list[_Choice]:
         """Run to completion; a client that disconnects meanwhile gets its requests aborted."""
-        choices = [_Choice(i) for i in range(n)]
+        choices = [_Choice(i, echo=echo) for i in range(n)]
 
         async def consume():
             async for i, out in gen:
@@ -195,7 +199,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         return choices
 
     def completion_chunk(rid, c: _Choice, text: str, tok_start: int, req) -> dict:
-        lp = completion_logprobs(c, tok_start, len(c.token_ids), c.sent_text) if req.logprobs is not None else None
+        with_prompt = c.echo and not c.echo_sent  # echo: the prompt leads the choice's first chunk
+        if with_prompt:
+            text, c.echo_sent = c.prompt_text + text, True
+        lp = (completion_logprobs(c, tok_start, len(c.token_ids), c.sent_text, with_prompt)
+              if req.logprobs is not None else None)
         return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}]}
@@ -212,7 +220,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         first = await gen.__anext__()
         rid = f"{'chatcmpl' if make_chunk is chat_chunk else 'cmpl'}-{_id()}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        choices = [_Choice(i) for i in range(n)]
+        choices = [_Choice(i, echo=getattr(req, "echo", False)) for i in range(n)]
 
         async def body():
             try:

@@ -26,6 +26,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many top ones
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -40,8 +41,11 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """One SamplingParams per choice; n is handled by the server (one engine request per choice)."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM)")
         # an OpenAI field that would change the output, which the engine does not implement: refused, not ignored
         if (fmt := (self.model_extra or {}).get("response_format")) is not None and fmt != {"type": "text"}:
             raise ValueError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}")
@@ -53,7 +57,8 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -65,11 +70,12 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = None  # echo with logprobs: the prompt's tokens get theirs too
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(BaseModel):

@@ -28,6 +28,12 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # echo (completions): the prompt's text and, with logprobs, its tokens' logprobs (set by the first update)
+    echo: bool = False
+    echo_sent: bool = False  # (streaming: the prompt went out in the choice's first chunk)
+    prompt_text: str | None = None
+    first_token_text: str = ""
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs (prompt_logprobs, or echo with logprobs)
 
 
 class OpenAIServing:
@@ -104,10 +110,15 @@ class OpenAIServing:
                     await g.aclose()
 
     # ------------------------------------------------------------------ responses
-    @staticmethod
-    def update(choice: _Choice, out: RequestOutput, hold: int) -> None:
+    def update(self, choice: _Choice, out: RequestOutput, hold: int) -> None:
         c = out.outputs[0]
         choice.prompt_ids = out.prompt_token_ids
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+        if choice.echo and choice.prompt_text is None:
+            tok = self.engine.tokenizer
+            choice.prompt_text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+            choice.first_token_text = tok.decode(out.prompt_token_ids[:1])
         choice.text = c.text
         choice.token_ids = c.token_ids
         choice.logprobs = c.logprobs or []
@@ -124,10 +135,21 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int) -> dict:
-    """Legacy completions logprobs for tokens [start, end)."""
+def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int, with_prompt: bool = False) -> dict:
+    """Legacy completions logprobs for tokens [start, end); with_prompt (echo): the prompt's tokens first, the first
+    of them with None for its logprob and top logprobs (as vLLM's), and offsets into the prompt text plus the
+    completion's."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_offset0
+    offset = 0
+    if with_prompt:
+        for i, (tok, entry) in enumerate(zip(choice.prompt_ids, choice.prompt_logprobs or [])):
+            text = choice.first_token_text if entry is None else entry[tok].decoded_token or ""
+            tokens.append(text)
+            token_lps.append(None if entry is None else entry[tok].logprob)
+            tops.append(None if entry is None else {(v.decoded_token or ""): v.logprob for v in entry.values()})
+            offsets.append(offset)
+            offset += len(text)
+    offset = text_offset0 + (len(choice.prompt_text or "") if choice.echo else 0)
     for tok, entry in zip(choice.token_ids[start:end], choice.logprobs[start:end]):
         lp = entry[tok]
         tokens.append(lp.decoded_token or "")
@@ -136,6 +158,15 @@ def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's responses carry it: None, then {token id: {logprob, rank,
+    decoded_token}} per prompt token."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in e.items()} for e in entries]
 
 
 def chat_logprobs(choice: _Choice, start: int, end: int, top: int) -> dict:

@@ -125,7 +125,11 @@ def _logit_bias(bias) -> dict[int, float]:
             tid = None
         if tid is None or tid < 0:
             raise ValueError(f"logit_bias: key {token!r} is not a token id (a non-negative integer)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        try:
+            bias = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:  # an int past float's range
+            bias = math.inf if value > 0 else -math.inf
+        if math.isnan(bias):
             raise ValueError(f"logit_bias: the bias of token {tid} must be a number, got {value!r}")
-        out[tid] = min(100.0, max(-100.0, float(value)))
+        out[tid] = min(100.0, max(-100.0, bias))
     return out

@@ -57,6 +57,10 @@ def test_chat_template_kwargs_and_template_errors(llm):
     tok = copy.deepcopy(llm.get_tokenizer())
     with pytest.raises(ValueError, match=r"^chat_template_kwargs: add_generation_prompt, tokenize cannot be set"):
         render_chat(tok, msgs, True, chat_template_kwargs={"tokenize": True, "add_generation_prompt": False})
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: conversations, messages cannot be set"):
+        render_chat(tok, msgs, True, chat_template_kwargs={"messages": [], "conversations": []})
+    with pytest.raises(ValueError, match=r"^messages: the model's chat template rejected them"):  # a TypeError
+        render_chat(tok, msgs, chat_template="{{ messages[0]['content'] + 1 }}")
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(ValueError, match=r"^messages: the model's chat template rejected them: Conversation roles"):
         render_chat(tok, msgs)

@@ -100,3 +100,19 @@ def test_aborting_a_choice_aborts_its_request(tiny):
     assert engine.abort_request("p#1")
     assert not engine.has_unfinished_requests() and not engine.abort_request("p")
     assert pool_is_whole(llm) and not engine.parents and not engine.parent_of and not engine.requests
+
+
+def test_a_finished_choices_id_stays_taken_until_its_request_ends(tiny):
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB")
+    engine = llm.llm_engine
+    # half the vocabulary stops a choice: seeded, choice 0 stops first (after 1 token), choice 1 runs on
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=40, stop_token_ids=list(range(256)))
+    engine.add_request(prompt_token_ids=list(range(300, 340)), sampling_params=params, request_id="p")
+    while "p#0" in engine.requests:
+        assert not engine.step()
+    assert "p#1" in engine.requests and "p" in engine.parents
+    with pytest.raises(ValueError, match="'p#0' is already"):
+        engine.add_request(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="p#0")
+    assert engine.abort_request("p#0")  # the request, by its finished choice's id: its other choice stops too
+    assert not engine.has_unfinished_requests()
+    assert pool_is_whole(llm) and not engine.parents and not engine.parent_of and not engine.requests

@@ -88,6 +88,7 @@ def test_logit_bias_matches_hf_sequence_bias(tiny):
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={str(plain[0][0]): -1e9}),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     assert params[0].logit_bias == {plain[0][0]: -100.0}
+    assert SamplingParams(logit_bias={1: 10**400, 2: -10**400}).logit_bias == {1: 100.0, 2: -100.0}
     outs = _gen(llm, [{"prompt_token_ids": p} for p in prompts[:2]], params)
     assert plain[0][0] not in outs[0].outputs[0].token_ids and outs[1].outputs[0].token_ids == plain[1]
     forced = _gen(llm, [{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=1.0, seed=5, max_tokens=6,

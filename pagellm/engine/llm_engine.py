@@ -153,7 +153,7 @@ class LLMEngine:
         # the ids this request takes: its own, and with n > 1 its children's (which must not be a caller's either)
         children = [f"{request_id}#{i}" for i in range(fan_out)] if fan_out > 1 else []
         for rid in [request_id, *children]:
-            if rid in self.requests or rid in self.parents:
+            if rid in self.requests or rid in self.parents or rid in self.parent_of:
                 raise ValueError(f"request_id {request_id!r} is already in use" if rid == request_id else
                                  f"request_id {request_id!r}: its choice {rid!r} is already a request's id")
         if children:
@@ -322,10 +322,10 @@ class LLMEngine:
             if pid is None:
                 merged.append(out)
             elif out.finished:
-                del self.parent_of[out.request_id]
                 done = self.parents[pid].add(out)
-                if done is not None:
-                    del self.parents[pid]
+                if done is not None:  # (a child's id stays taken until its parent is done)
+                    for c in self.parents.pop(pid).child_ids:
+                        del self.parent_of[c]
                     merged.append(done)
         return merged
 

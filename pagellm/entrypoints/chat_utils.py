@@ -15,10 +15,11 @@ def render_chat(tok, messages: list[dict], add_generation_prompt: bool = True, c
         raise ValueError("messages: this model has no chat template")
     kwargs = chat_template_kwargs or {}
     own = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
+    own |= {"messages", "conversations"}  # (transformers passes the messages to the template under these too)
     if taken := sorted(own & set(kwargs)):
         raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the template's variables only)")
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, **kwargs)
-    except jinja2.TemplateError as e:  # e.g. the template's own raise_exception on roles it does not take
+    except (jinja2.TemplateError, TypeError) as e:  # e.g. its own raise_exception on roles it does not take
         raise ValueError(f"messages: the model's chat template rejected them: {e}") from None

@@ -106,8 +106,11 @@ class ModelRunner:
         token_ids = np.empty(total, dtype=np.int64)
         max_blocks = int(-(-seq_lens.max() // bs))
         block_tables = np.zeros((len(sched), max_blocks), dtype=np.int64)
+        asks_prompt_logprobs = []  # (rows of requests asking for prompt logprobs)
         for i, s in enumerate(sched):
             token_ids[cu[i]:cu[i + 1]] = s.request.token_at(s.start, s.start + s.num_tokens)
+            if s.request.prompt_logprobs is not None:
+                asks_prompt_logprobs.append(i)
             n = -(-int(seq_lens[i]) // bs)
             block_tables[i, :n] = [b.block_id for b in s.request.blocks[:n]]
 
@@ -117,7 +120,9 @@ class ModelRunner:
 
         samples = np.fromiter((s.samples for s in sched), dtype=bool, count=len(sched))
         logits_indices = cu[1:][samples] - 1
-        plp_spans, plp_rows, plp_targets = _prompt_logprob_rows(sched, cu)
+        plp_spans = None
+        if asks_prompt_logprobs:
+            plp_spans, plp_rows, plp_targets = _prompt_logprob_rows(sched, asks_prompt_logprobs, cu)
         if plp_spans:  # their logits follow the sampling rows'
             logits_indices = np.concatenate([logits_indices, plp_rows])
         decode_rows = np.nonzero(q_lens == 1)[0]
@@ -241,12 +246,14 @@ class ModelRunner:
             "sampled", "logprob", "rank", "top_ids", "top_logprobs"))))
 
 
-def _prompt_logprob_rows(sched, cu: np.ndarray) -> tuple[list, np.ndarray, list[int]]:
-    """The step's rows whose logits give prompt logprobs: of the requests that ask for them, the positions p <
-    prompt length - 1 (each predicts prompt token p + 1) whose entry they lack (a recompute after a preemption has
-    some). Returns (request, row count) spans, the rows, and the tokens they predict."""
+def _prompt_logprob_rows(sched, asking: list[int], cu: np.ndarray) -> tuple[list, np.ndarray, list[int]]:
+    """The step's rows whose logits give prompt logprobs: of the requests that ask for them (``asking``: their
+    indices in ``sched``), the positions p < prompt length - 1 (each predicts prompt token p + 1) whose entry they
+    lack (a recompute after a preemption has some). Returns (request, row count) spans, the rows, and the tokens
+    they predict."""
     spans, rows, targets = [], [], []
-    for i, s in enumerate(sched):
+    for i in asking:
+        s = sched[i]
         r = s.request
         if r.prompt_logprobs_pending and s.start <= len(r.prompt_logprobs) - 1:
             lo, hi = len(r.prompt_logprobs) - 1, min(s.start + s.num_tokens, r.num_prompt_tokens - 1)

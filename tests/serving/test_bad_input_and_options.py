@@ -225,6 +225,12 @@ def test_echo_and_prompt_logprobs(client, http, llm, ref, model_name):
                                                    "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert http.post("/v1/completions", json=kw).json()["choices"][0]["prompt_logprobs"] is None
+    # several prompts, n = 2 each: every choice echoes its own prompt (choices are prompt-major)
+    many = client.completions.create(model=model_name, prompt=[CAPITAL_PROMPT, "Hello"], n=2, echo=True,
+                                     logprobs=0, temperature=0, max_tokens=3)
+    for c in many.choices:
+        p = [CAPITAL_PROMPT, "Hello"][c.index // 2]
+        assert c.text.startswith(p) and "".join(c.logprobs.tokens) == c.text and c.logprobs.token_logprobs[0] is None
 
 
 def test_chat_logprobs(client, ref, model_name):

@@ -144,7 +144,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         body = {"id": f"cmpl-{_id()}", "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": (c.prompt_text or "") + c.text, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason,
-                             "logprobs": completion_logprobs(c, 0, len(c.token_ids), 0, with_prompt=req.echo)
+                             "logprobs": completion_logprobs(c, 0, len(c.token_ids), 0, req.echo, req.logprobs)
                              if req.logprobs is not None else None,
                              "prompt_logprobs": prompt_logprobs_json(c.prompt_logprobs)
                              if req.prompt_logprobs is not None else None} for c in choices],
@@ -202,7 +202,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         with_prompt = c.echo and not c.echo_sent  # echo: the prompt leads the choice's first chunk
         if with_prompt:
             text, c.echo_sent = c.prompt_text + text, True
-        lp = (completion_logprobs(c, tok_start, len(c.token_ids), c.sent_text, with_prompt)
+        lp = (completion_logprobs(c, tok_start, len(c.token_ids), c.sent_text, with_prompt, req.logprobs)
               if req.logprobs is not None else None)
         return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,

@@ -33,6 +33,7 @@ class _Choice:
     echo_sent: bool = False  # (streaming: the prompt went out in the choice's first chunk)
     prompt_text: str | None = None
     first_token_text: str = ""
+    prompt_token_chars: int = 0  # the prompt tokens' texts' length (where echo's completion offsets start)
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs (prompt_logprobs, or echo with logprobs)
 
 
@@ -119,6 +120,9 @@ class OpenAIServing:
             tok = self.engine.tokenizer
             choice.prompt_text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
             choice.first_token_text = tok.decode(out.prompt_token_ids[:1])
+            entries = (out.prompt_logprobs or [])[1:]
+            choice.prompt_token_chars = len(choice.first_token_text) + sum(
+                len(e[t].decoded_token or "") for t, e in zip(out.prompt_token_ids[1:], entries))
         choice.text = c.text
         choice.token_ids = c.token_ids
         choice.logprobs = c.logprobs or []
@@ -135,21 +139,23 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int, with_prompt: bool = False) -> dict:
+def completion_logprobs(choice: _Choice, start: int, end: int, text_offset0: int, with_prompt: bool = False,
+                        top: int = 0) -> dict:
     """Legacy completions logprobs for tokens [start, end); with_prompt (echo): the prompt's tokens first, the first
-    of them with None for its logprob and top logprobs (as vLLM's), and offsets into the prompt text plus the
-    completion's."""
+    of them with None for its logprob and top logprobs (as vLLM's), each with its ``top`` most likely tokens, and
+    offsets running on through the completion's (text_offset0: the completion's characters before ``start``)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
     if with_prompt:
-        for i, (tok, entry) in enumerate(zip(choice.prompt_ids, choice.prompt_logprobs or [])):
+        for tok, entry in zip(choice.prompt_ids, choice.prompt_logprobs or []):
             text = choice.first_token_text if entry is None else entry[tok].decoded_token or ""
             tokens.append(text)
             token_lps.append(None if entry is None else entry[tok].logprob)
-            tops.append(None if entry is None else {(v.decoded_token or ""): v.logprob for v in entry.values()})
+            tops.append(None if entry is None else {(v.decoded_token or ""): v.logprob for t, v in entry.items()
+                                                    if t == tok or (v.rank or 0) <= top})
             offsets.append(offset)
             offset += len(text)
-    offset = text_offset0 + (len(choice.prompt_text or "") if choice.echo else 0)
+    offset = text_offset0 + (choice.prompt_token_chars if choice.echo else 0)
     for tok, entry in zip(choice.token_ids[start:end], choice.logprobs[start:end]):
         lp = entry[tok]
         tokens.append(lp.decoded_token or "")

@@ -225,6 +225,15 @@ def test_echo_and_prompt_logprobs(client, http, llm, ref, model_name):
                                                    "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert http.post("/v1/completions", json=kw).json()["choices"][0]["prompt_logprobs"] is None
+    # max_tokens 0 with echo (scoring a prompt): the prompt alone, its logprobs, no completion tokens
+    alone = client.completions.create(**{**kw, "max_tokens": 0}, echo=True, logprobs=2)
+    c = alone.choices[0]
+    assert c.text == CAPITAL_PROMPT and c.finish_reason == "length" and alone.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([plp[j][ids[j]].logprob for j in range(1, len(ids))],
+                                                          abs=1e-4)
+    assert_error_shape(http.post("/v1/completions", json={**kw, "max_tokens": 0, "echo": True, "stream": True}), 400,
+                       "max_tokens")
     # several prompts, n = 2 each: every choice echoes its own prompt (choices are prompt-major)
     many = client.completions.create(model=model_name, prompt=[CAPITAL_PROMPT, "Hello"], n=2, echo=True,
                                      logprobs=0, temperature=0, max_tokens=3)

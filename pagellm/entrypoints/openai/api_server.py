@@ -141,6 +141,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             choices = await collect(raw, gen, len(prompts) * req.n, hold, req.echo)
         except ValueError as e:
             raise to_400(e) from None
+        if req.prompt_only:  # the step's token is not part of the answer
+            for c in choices:
+                c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason = "", [], [], "length", None
         body = {"id": f"cmpl-{_id()}", "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": (c.prompt_text or "") + c.text, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason,

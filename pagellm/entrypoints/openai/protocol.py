@@ -69,13 +69,22 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's way to score a prompt): the prompt alone comes back."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_only and self.stream:
+            raise ValueError("max_tokens: 0 (the prompt alone, with echo) is not available with stream=true")
         prompt_logprobs = None  # echo with logprobs: the prompt's tokens get theirs too
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        # (the prompt alone still runs one step, whose token is dropped: the engine takes max_tokens >= 1)
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(BaseModel):

@@ -14,10 +14,12 @@ def render_chat(tok, messages: list[dict], add_generation_prompt: bool = True, c
     if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
         raise ValueError("messages: this model has no chat template")
     kwargs = chat_template_kwargs or {}
-    own = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
-    own |= {"messages", "conversations"}  # (transformers passes the messages to the template under these too)
-    if taken := sorted(own & set(kwargs)):
-        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the template's variables only)")
+    if kwargs:
+        own = set(inspect.signature(tok.apply_chat_template).parameters) - {"self", "kwargs"}
+        own |= {"messages", "conversations"}  # (transformers passes the messages to the template under these too)
+        if taken := sorted(own & set(kwargs)):
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set here (the template's variables "
+                             f"only)")
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, **kwargs)

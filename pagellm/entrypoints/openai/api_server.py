@@ -137,7 +137,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             gen = serving.run(prompts, params, req.n, req.cache_salt)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
-                return await stream_response(gen, len(prompts) * req.n, hold, completion_chunk, req)
+                return await stream_response(gen, len(prompts) * req.n, hold, completion_chunk, req, req.echo)
             choices = await collect(raw, gen, len(prompts) * req.n, hold, req.echo)
         except ValueError as e:
             raise to_400(e) from None
@@ -218,12 +218,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}]}
 
-    async def stream_response(gen, n: int, hold: int, make_chunk, req) -> StreamingResponse:
+    async def stream_response(gen, n: int, hold: int, make_chunk, req, echo: bool = False) -> StreamingResponse:
         # Wait for the first output so a bad request still gets a proper 400 instead of a 200 stream.
         first = await gen.__anext__()
         rid = f"{'chatcmpl' if make_chunk is chat_chunk else 'cmpl'}-{_id()}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        choices = [_Choice(i, echo=getattr(req, "echo", False)) for i in range(n)]
+        choices = [_Choice(i, echo=echo) for i in range(n)]
 
         async def body():
             try:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from .harness import (API_KEY, CAPITAL_PROMPT, CHAT_CONTENT, COUNT_PROMPT, SEED, SEED_PROMPT, assert_error_shape,
-                      greedy, val, wait_idle)
+                      greedy, scrape, val, wait_idle)
 
 
 # ------------------------------------------------------------------------------------------------ 4. errors
@@ -232,14 +232,43 @@ def test_echo_and_prompt_logprobs(client, http, llm, ref, model_name):
     assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
     assert c.logprobs.token_logprobs[1:] == pytest.approx([plp[j][ids[j]].logprob for j in range(1, len(ids))],
                                                           abs=1e-4)
-    assert_error_shape(http.post("/v1/completions", json={**kw, "max_tokens": 0, "echo": True, "stream": True}), 400,
-                       "max_tokens")
+    streamed = [ch.choices[0] for ch in client.completions.create(**{**kw, "max_tokens": 0}, echo=True, logprobs=2,
+                                                                   stream=True) if ch.choices]
+    assert "".join(ch.text for ch in streamed) == CAPITAL_PROMPT and streamed[-1].finish_reason == "length"
+    assert sum((ch.logprobs.token_logprobs for ch in streamed), []) == c.logprobs.token_logprobs
     # several prompts, n = 2 each: every choice echoes its own prompt (choices are prompt-major)
     many = client.completions.create(model=model_name, prompt=[CAPITAL_PROMPT, "Hello"], n=2, echo=True,
                                      logprobs=0, temperature=0, max_tokens=3)
     for c in many.choices:
         p = [CAPITAL_PROMPT, "Hello"][c.index // 2]
         assert c.text.startswith(p) and "".join(c.logprobs.tokens) == c.text and c.logprobs.token_logprobs[0] is None
+
+
+def test_n_choices_compute_the_prompt_logprobs_once(client, http, llm, model_name):
+    """With n > 1, only the first choice's request computes the prompt's logprobs; the others read the prompt's
+    blocks from the prefix cache and take its logprobs, streamed (echo) or not."""
+    prompt = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(8))  # ~70 tokens: 4 full blocks
+    offline = llm.generate(prompt, greedy(3, prompt_logprobs=1), use_tqdm=False)[0]
+    ids, plp = offline.prompt_token_ids, offline.prompt_logprobs
+    full = (len(ids) - 1) // 16 * 16  # the prompt tokens a choice can find in the cache
+    before = scrape(http)
+    r = http.post("/v1/completions", json={"model": model_name, "prompt": prompt, "n": 3, "max_tokens": 3,
+                                           "temperature": 0, "prompt_logprobs": 1}).json()
+    after = wait_idle(http)
+    assert val(after, "pagellm:prefix_cache_hits_total") - val(before, "pagellm:prefix_cache_hits_total") >= 2 * full
+    got = [c["prompt_logprobs"] for c in r["choices"]]
+    assert got[0] == got[1] == got[2] and len(got[0]) == len(ids)
+    for j in range(1, len(ids)):
+        assert got[0][j][str(ids[j])]["logprob"] == pytest.approx(plp[j][ids[j]].logprob, abs=1e-4)
+    chunks = [ch.choices[0] for ch in client.completions.create(model=model_name, prompt=prompt, n=3, echo=True,
+                                                                logprobs=0, temperature=0, max_tokens=3, stream=True)
+              if ch.choices]
+    for i in range(3):
+        mine = [ch for ch in chunks if ch.index == i]
+        lps = sum((ch.logprobs.token_logprobs for ch in mine), [])
+        assert "".join(ch.text for ch in mine) == prompt + offline.outputs[0].text
+        assert lps[0] is None and lps[1:len(ids)] == pytest.approx([plp[j][ids[j]].logprob
+                                                                    for j in range(1, len(ids))], abs=1e-4)
 
 
 def test_chat_logprobs(client, ref, model_name):

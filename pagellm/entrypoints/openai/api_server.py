@@ -117,7 +117,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def generate(req: GenerateRequest, raw: Request):
         try:
             params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens)
-            choices = await collect(raw, serving.run([(req.prompt, None)], params, 1), 1, 0)
+            choices = await collect(raw, serving.run([(req.prompt, None)], params, 1), serving.choices(1, 1, params),
+                                    0)
         except ValueError as e:
             raise to_400(e) from None
         return {"text": choices[0].text}
@@ -135,15 +136,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             if not 1 <= req.n <= 16:
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
             gen = serving.run(prompts, params, req.n, req.cache_salt)
+            choices = serving.choices(len(prompts) * req.n, req.n, params, req.echo, req.prompt_only)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
-                return await stream_response(gen, len(prompts) * req.n, hold, completion_chunk, req, req.echo)
-            choices = await collect(raw, gen, len(prompts) * req.n, hold, req.echo)
+                return await stream_response(gen, choices, hold, completion_chunk, req)
+            choices = await collect(raw, gen, choices, hold)
         except ValueError as e:
             raise to_400(e) from None
-        if req.prompt_only:  # the step's token is not part of the answer
-            for c in choices:
-                c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason = "", [], [], "length", None
         body = {"id": f"cmpl-{_id()}", "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": (c.prompt_text or "") + c.text, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason,
@@ -164,10 +163,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
             prompts = [(None, serving.chat_prompt(req)[1])]
             gen = serving.run(prompts, params, req.n, req.cache_salt)
+            choices = serving.choices(req.n, req.n, params)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
-                return await stream_response(gen, req.n, hold, chat_chunk, req)
-            choices = await collect(raw, gen, req.n, hold)
+                return await stream_response(gen, choices, hold, chat_chunk, req)
+            choices = await collect(raw, gen, choices, hold)
         except ValueError as e:
             raise to_400(e) from None
         top = req.top_logprobs or 0
@@ -181,9 +181,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "usage": serving.usage(choices, [len(choices[0].prompt_ids)])}
 
     # ------------------------------------------------------------------ helpers
-    async def collect(raw: Request, gen, n: int, hold: int, echo: bool = False) -> list[_Choice]:
+    async def collect(raw: Request, gen, choices: list[_Choice], hold: int) -> list[_Choice]:
         """Run to completion; a client that disconnects meanwhile gets its requests aborted."""
-        choices = [_Choice(i, echo=echo) for i in range(n)]
 
         async def consume():
             async for i, out in gen:
@@ -199,6 +198,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 await asyncio.wait([task])
                 raise APIError(499, "client disconnected")
         task.result()
+        for c in choices:  # (a choice whose lead's prompt logprobs came after its own last output)
+            serving.take_lead(c)
         return choices
 
     def completion_chunk(rid, c: _Choice, text: str, tok_start: int, req) -> dict:
@@ -218,12 +219,19 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}]}
 
-    async def stream_response(gen, n: int, hold: int, make_chunk, req, echo: bool = False) -> StreamingResponse:
+    async def stream_response(gen, choices: list[_Choice], hold: int, make_chunk, req) -> StreamingResponse:
         # Wait for the first output so a bad request still gets a proper 400 instead of a 200 stream.
         first = await gen.__anext__()
         rid = f"{'chatcmpl' if make_chunk is chat_chunk else 'cmpl'}-{_id()}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        choices = [_Choice(i, echo=echo) for i in range(n)]
+
+        def chunks(c: _Choice):
+            """c's new text and tokens, unless its prompt's logprobs (for echo) are still to come from its lead."""
+            text, tok_start = c.text[c.sent_text:], c.sent_tokens
+            if not c.waiting and (text or c.finish_reason or len(c.token_ids) > c.sent_tokens):
+                chunk = make_chunk(rid, c, text, tok_start, req)
+                c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
+                yield sse(chunk)
 
         async def body():
             try:
@@ -232,11 +240,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                     i, out = item
                     c = choices[i]
                     serving.update(c, out, hold)
-                    text, tok_start = c.text[c.sent_text:], c.sent_tokens
-                    if text or c.finish_reason or len(c.token_ids) > c.sent_tokens:
-                        chunk = make_chunk(rid, c, text, tok_start, req)
-                        c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
-                        yield sse(chunk)
+                    for chunk in chunks(c):
+                        yield chunk
+                    if c.lead is None and c.prompt_logprobs is not None:  # its followers may be waiting on it
+                        for f in choices[i + 1:i + req.n]:
+                            if serving.take_lead(f):
+                                for chunk in chunks(f):
+                                    yield chunk
                     item = await anext(gen, None)
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk" if make_chunk is chat_chunk

@@ -77,8 +77,6 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.prompt_only and self.stream:
-            raise ValueError("max_tokens: 0 (the prompt alone, with echo) is not available with stream=true")
         prompt_logprobs = None  # echo with logprobs: the prompt's tokens get theirs too
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)

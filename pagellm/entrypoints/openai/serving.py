@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.chat_utils import render_chat
@@ -35,6 +35,15 @@ class _Choice:
     first_token_text: str = ""
     prompt_token_chars: int = 0  # the prompt tokens' texts' length (where echo's completion offsets start)
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs (prompt_logprobs, or echo with logprobs)
+    # n > 1 with prompt logprobs: the prompt's first choice, whose request alone computes them (the others read the
+    # prompt's blocks from the prefix cache) and whose prompt fields this one takes
+    lead: _Choice | None = field(default=None, repr=False)
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone, the step's token dropped
+
+    @property
+    def waiting(self) -> bool:
+        """The prompt's logprobs are still to come from the lead's request."""
+        return self.lead is not None and self.prompt_logprobs is None
 
 
 class OpenAIServing:
@@ -61,13 +70,29 @@ class OpenAIServing:
         return text, self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ running
+    @staticmethod
+    def choices(total: int, n: int, params: SamplingParams, echo: bool = False,
+                prompt_only: bool = False) -> list[_Choice]:
+        """The choices of ``total / n`` prompts, n each, as run() yields them (choice i: prompt i // n)."""
+        choices = [_Choice(i, echo=echo, prompt_only=prompt_only) for i in range(total)]
+        if params.prompt_logprobs is not None:
+            for c in choices:
+                if c.index % n:
+                    c.lead = choices[c.index - c.index % n]
+        return choices
+
     def _streams(self, prompts, params: SamplingParams, n: int,
                  cache_salt: str | None) -> list[AsyncIterator[RequestOutput]]:
-        """n engine requests per prompt (choice i gets seed + i when a seed is given)."""
+        """n engine requests per prompt: choice i gets seed + i when a seed is given, and only the first computes
+        the prompt's logprobs (see _Choice.lead)."""
         gens = []
         for prompt, ids in prompts:
             for i in range(n):
-                p = params if (n == 1 or params.seed is None) else _with_seed(params, offset_seed(params.seed, i))
+                p = params
+                if i and params.seed is not None:
+                    p = replace(p, seed=offset_seed(params.seed, i))
+                if i and params.prompt_logprobs is not None:
+                    p = replace(p, prompt_logprobs=None)
                 gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid(),
                                                  cache_salt=cache_salt))
         return gens
@@ -114,15 +139,21 @@ class OpenAIServing:
     def update(self, choice: _Choice, out: RequestOutput, hold: int) -> None:
         c = out.outputs[0]
         choice.prompt_ids = out.prompt_token_ids
-        if out.prompt_logprobs is not None:
-            choice.prompt_logprobs = out.prompt_logprobs
-        if choice.echo and choice.prompt_text is None:
-            tok = self.engine.tokenizer
-            choice.prompt_text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
-            choice.first_token_text = tok.decode(out.prompt_token_ids[:1])
-            entries = (out.prompt_logprobs or [])[1:]
-            choice.prompt_token_chars = len(choice.first_token_text) + sum(
-                len(e[t].decoded_token or "") for t, e in zip(out.prompt_token_ids[1:], entries))
+        if choice.lead is not None:
+            self.take_lead(choice)
+        else:
+            if out.prompt_logprobs is not None:
+                choice.prompt_logprobs = out.prompt_logprobs
+            if choice.echo and choice.prompt_text is None:
+                tok = self.engine.tokenizer
+                choice.prompt_text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+                choice.first_token_text = tok.decode(out.prompt_token_ids[:1])
+                entries = (out.prompt_logprobs or [])[1:]
+                choice.prompt_token_chars = len(choice.first_token_text) + sum(
+                    len(e[t].decoded_token or "") for t, e in zip(out.prompt_token_ids[1:], entries))
+        if choice.prompt_only:  # the step's token is not part of the answer
+            choice.finish_reason = "length" if out.finished else None
+            return
         choice.text = c.text
         choice.token_ids = c.token_ids
         choice.logprobs = c.logprobs or []
@@ -131,6 +162,17 @@ class OpenAIServing:
         if not out.finished and hold:
             # A stop string may be completing: hold back text that could still be cut.
             choice.text = c.text[:max(choice.sent_text, len(c.text) - hold)]
+
+    @staticmethod
+    def take_lead(choice: _Choice) -> bool:
+        """A waiting choice takes its lead's prompt fields once the lead has them; True if it took them now."""
+        lead = choice.lead
+        if not choice.waiting or lead.prompt_logprobs is None:
+            return False
+        choice.prompt_logprobs = lead.prompt_logprobs
+        choice.prompt_text, choice.first_token_text = lead.prompt_text, lead.first_token_text
+        choice.prompt_token_chars = lead.prompt_token_chars
+        return True
 
     def usage(self, choices: list[_Choice], prompt_lens: list[int]) -> dict:
         """prompt_lens: each prompt's tokens once, however many choices it has (as OpenAI and vLLM count)."""
@@ -194,12 +236,6 @@ def sse(obj: dict | str) -> str:
 
 def _rid() -> str:
     return uuid.uuid4().hex
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 
 
 def now() -> int:

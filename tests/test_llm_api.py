@@ -436,4 +436,29 @@ def test_cli_generate_and_bench(gguf_path, tmp_path):
         assert key in res
     assert res["requests"] == 4 and res["output_tokens"] == 4 * 128 and res["dtype"] == "bfloat16"
     assert 0.9 <= res["kv_slot_efficiency"] <= 1.0
+    # without a workload file: vLLM's random dataset from --input-len / --output-len / --num-prompts
+    r = run("bench", "throughput", "--input-len", "24", "--output-len", "3", "--num-prompts", "3", "--dtype",
+            "bfloat16", "--kv-cache-memory", "256MiB")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (3, 3 * 24, 3 * 3)
+    r = run("bench", "throughput", "--output-len", "3")
+    assert r.returncode != 0 and "--input-len" in r.stderr
+
+
+def test_random_workload_is_fixed_by_its_seed_and_skips_special_tokens(llm):
+    from pagellm.entrypoints.bench import random_lengths, random_prompts
+
+    lengths = random_lengths(200, 100, 0.25, seed=3)
+    assert lengths == random_lengths(200, 100, 0.25, seed=3) != random_lengths(200, 100, 0.25, seed=4)
+    assert min(lengths) >= 75 and max(lengths) <= 125 and len(set(lengths)) > 20
+    tok = llm.get_tokenizer()
+    prompts = random_prompts(lengths, 3, llm.llm_engine.vocab_size, tok)
+    assert [len(p) for p in prompts] == lengths and prompts == random_prompts(lengths, 3, llm.llm_engine.vocab_size,
+                                                                              tok)
+    used = {t for p in prompts for t in p}
+    assert not used & (set(tok.all_special_ids) | set(tok.added_tokens_decoder))
+    assert max(used) < llm.llm_engine.vocab_size
+    with pytest.raises(ValueError, match="random-range-ratio"):
+        random_lengths(4, 100, 1.0, seed=0)
 

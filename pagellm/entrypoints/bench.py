@@ -59,6 +59,33 @@ def load_workload(path: str) -> tuple[dict, list[list[int]]]:
     return d["meta"], d["prompts"]
 
 
+def random_lengths(n: int, input_len: int, range_ratio: float, seed: int) -> list[int]:
+    """vLLM's random dataset's prompt lengths: n draws of Uniform{floor(L (1 - r)) .. ceil(L (1 + r))}, L =
+    input_len, r = range_ratio; fixed by seed."""
+    import math
+
+    import numpy as np
+
+    if n < 1 or input_len < 1 or not 0 <= range_ratio < 1:
+        raise ValueError(f"random workload: need --num-prompts >= 1, --input-len >= 1 and 0 <= --random-range-ratio "
+                         f"< 1, got {n}, {input_len}, {range_ratio}")
+    lo, hi = max(1, math.floor(input_len * (1 - range_ratio))), math.ceil(input_len * (1 + range_ratio))
+    return [int(k) for k in np.random.default_rng(seed).integers(lo, hi + 1, size=n)]
+
+
+def random_prompts(lengths: list[int], seed: int, vocab_size: int, tokenizer=None) -> list[list[int]]:
+    """Prompts of these lengths, each id uniform over the vocabulary less the tokenizer's special and added tokens,
+    as the shared workloads are drawn (their make_random.py); fixed by seed."""
+    import numpy as np
+
+    special: set[int] = set()
+    if tokenizer is not None:
+        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    allowed = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
+    rng = np.random.default_rng([seed, 1])
+    return [allowed[rng.integers(0, len(allowed), size=k)].tolist() for k in lengths]
+
+
 def cmd_throughput(a: argparse.Namespace) -> None:
     """One JSON line; with --compare-prefix-caching, two runs (cache on, then off) and a summary line."""
     if not a.compare_prefix_caching:
@@ -84,10 +111,19 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     from pagellm.entrypoints.cli import engine_kwargs
 
     rss = PeakRSS()
-    meta, prompts = load_workload(a.workload)
-    if a.num_prompts:
-        prompts = prompts[:a.num_prompts]
-    out_len = int(meta["output_len"])
+    if a.workload:
+        meta, prompts = load_workload(a.workload)
+        if a.num_prompts:
+            prompts = prompts[:a.num_prompts]
+        out_len = a.output_len or int(meta["output_len"])
+    elif a.input_len is None or a.output_len is None:
+        raise SystemExit("bench throughput: give --workload, or --input-len and --output-len (a random workload)")
+    else:
+        out_len = a.output_len
+        try:
+            lengths = random_lengths(a.num_prompts or 64, a.input_len, a.random_range_ratio, a.seed)
+        except ValueError as e:
+            raise SystemExit(f"bench throughput: {e}") from None
     kwargs = engine_kwargs(a)
     if prefix_caching is not None:
         kwargs["enable_prefix_caching"] = prefix_caching
@@ -95,6 +131,8 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
+    if not a.workload:
+        prompts = random_prompts(lengths, a.seed, engine.vocab_size, llm.get_tokenizer())
 
     # Warm-up on different token ids than the workload's, so nothing about the timed run is pre-computed.
     warm = [[(t + 7) % engine.vocab_size for t in p[:64]] for p in prompts[:4]]

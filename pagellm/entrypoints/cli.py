@@ -94,8 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="offline throughput on a token-id workload (one JSON line)")
-    t.add_argument("--workload", required=True, help="workload JSON: {meta: {output_len}, prompts: [[ids]]}")
-    t.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    t.add_argument("--workload", help="workload JSON: {meta: {output_len}, prompts: [[ids]]}; without it, a random "
+                                      "workload from --input-len, --output-len and --num-prompts (as vLLM's)")
+    t.add_argument("--num-prompts", type=int, default=None,
+                   help="use only the first N prompts (a random workload: N prompts, 64 by default)")
+    t.add_argument("--input-len", type=int, default=None, help="a random workload's prompt length")
+    t.add_argument("--output-len", type=int, default=None,
+                   help="tokens generated per request (default: the workload's output_len)")
+    t.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="a random workload's prompt lengths spread uniformly over input-len x [1 - r, 1 + r]")
     t.add_argument("--compare-prefix-caching", action="store_true",
                    help="run with prefix caching, then without, and print both lines plus the drop/speed-up")
     t.add_argument("--profile", action="store_true",

@@ -442,8 +442,11 @@ def test_cli_generate_and_bench(gguf_path, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (3, 3 * 24, 3 * 3)
-    r = run("bench", "throughput", "--output-len", "3")
-    assert r.returncode != 0 and "--input-len" in r.stderr
+    for args, named in ((["--output-len", "3"], "--input-len"),
+                        (["--input-len", "8", "--output-len", "0"], "--output-len"),
+                        (["--workload", str(WORKLOAD_16), "--input-len", "8"], "--input-len")):
+        r = run("bench", "throughput", *args)  # refused before the model loads
+        assert r.returncode != 0 and named in r.stderr, r.stderr
 
 
 def test_random_workload_is_fixed_by_its_seed_and_skips_special_tokens(llm):

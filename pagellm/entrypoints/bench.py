@@ -74,8 +74,8 @@ def random_lengths(n: int, input_len: int, range_ratio: float, seed: int) -> lis
 
 
 def random_prompts(lengths: list[int], seed: int, vocab_size: int, tokenizer=None) -> list[list[int]]:
-    """Prompts of these lengths, each id uniform over the vocabulary less the tokenizer's special and added tokens,
-    as the shared workloads are drawn (their make_random.py); fixed by seed."""
+    """Prompts of these lengths, each id uniform over the vocabulary less the tokenizer's special and added tokens
+    (the shared workloads leave out the special ones: make_random.py); fixed by seed."""
     import numpy as np
 
     special: set[int] = set()
@@ -111,17 +111,23 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     from pagellm.entrypoints.cli import engine_kwargs
 
     rss = PeakRSS()
+    if (a.num_prompts is not None and a.num_prompts < 1) or (a.output_len is not None and a.output_len < 1):
+        raise SystemExit(f"bench throughput: --num-prompts and --output-len must be >= 1, got {a.num_prompts} and "
+                         f"{a.output_len}")
     if a.workload:
+        if a.input_len is not None or a.random_range_ratio:
+            raise SystemExit("bench throughput: --input-len and --random-range-ratio make a random workload; "
+                             "not with --workload")
         meta, prompts = load_workload(a.workload)
-        if a.num_prompts:
-            prompts = prompts[:a.num_prompts]
-        out_len = a.output_len or int(meta["output_len"])
+        prompts = prompts[:a.num_prompts]
+        out_len = int(meta["output_len"]) if a.output_len is None else a.output_len
     elif a.input_len is None or a.output_len is None:
         raise SystemExit("bench throughput: give --workload, or --input-len and --output-len (a random workload)")
     else:
         out_len = a.output_len
         try:
-            lengths = random_lengths(a.num_prompts or 64, a.input_len, a.random_range_ratio, a.seed)
+            lengths = random_lengths(64 if a.num_prompts is None else a.num_prompts, a.input_len,
+                                     a.random_range_ratio, a.seed)
         except ValueError as e:
             raise SystemExit(f"bench throughput: {e}") from None
     kwargs = engine_kwargs(a)

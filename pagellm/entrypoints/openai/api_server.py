@@ -240,14 +240,15 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                     i, out = item
                     c = choices[i]
                     serving.update(c, out, hold)
-                    for chunk in chunks(c):
-                        yield chunk
-                    if c.lead is None and c.prompt_logprobs is not None:  # its followers may be waiting on it
-                        for f in choices[i + 1:i + req.n]:
-                            if serving.take_lead(f):
-                                for chunk in chunks(f):
-                                    yield chunk
+                    for ready in serving.released(choices, i, req.n):
+                        for chunk in chunks(ready):
+                            yield chunk
                     item = await anext(gen, None)
+                for c in choices:  # (none waits by now: a lead's first output carries its prompt logprobs)
+                    if c.waiting:
+                        c.lead = None  # send what it has, without the prompt's logprobs, rather than nothing
+                        for chunk in chunks(c):
+                            yield chunk
                 if include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk" if make_chunk is chat_chunk
                                else "text_completion", "created": now(), "model": model_name, "choices": [],

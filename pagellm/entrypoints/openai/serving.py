@@ -163,6 +163,15 @@ class OpenAIServing:
             # A stop string may be completing: hold back text that could still be cut.
             choice.text = c.text[:max(choice.sent_text, len(c.text) - hold)]
 
+    def released(self, choices: list[_Choice], i: int, n: int) -> list[_Choice]:
+        """The choices that may have something to send once choice i is updated: i itself unless it still waits on
+        its lead, and, where i is a lead, those of its followers that were waiting for its prompt logprobs."""
+        c = choices[i]
+        ready = [] if c.waiting else [c]
+        if c.lead is None and c.prompt_logprobs is not None:
+            ready += [f for f in choices[i + 1:i + n] if self.take_lead(f)]
+        return ready
+
     @staticmethod
     def take_lead(choice: _Choice) -> bool:
         """A waiting choice takes its lead's prompt fields once the lead has them; True if it took them now."""

@@ -249,7 +249,35 @@ def int8_linears(ops) -> None:
             fs["fma_fp16"] = lambda: [(ops.fma_linear_silu_mul if w.shape[0] == 3072 else ops.fma_linear)(
                 xs[w.shape[1]], p, None, o, inv, 0) for w, (p, inv), o in zip(ws, fp16, outs)]
         emit(bench="120 linears on Q4_1 weights, int8 x against bf16 tiles, ms", rows=rows, **best_ms(fs))
+    int8_thread_scaling(ops, ws, int8)
     del ws, int8, int8_block, packed, fp16
+
+
+def int8_thread_scaling(ops, ws, forms, rows: int = 64) -> None:
+    """The 120 int8 linears of a decode step on one thread and on all: their weights streamed from memory (120
+    distinct) or reused from cache (the 4 shapes' first weights, 30 times each)."""
+    threads = torch.get_num_threads()
+    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    outs = [torch.empty(rows, w.shape[0] // 2 if w.shape[0] == 3072 else w.shape[0], dtype=torch.bfloat16)
+            for w in ws]
+
+    def run(order):
+        for i in order:
+            ops.vnni_int8_linear(xs[ws[i].shape[1]], *forms[i], None, outs[i], ws[i].shape[0] == 3072)
+
+    streamed, resident = list(range(len(ws))), [i % 4 for i in range(len(ws))]
+    def at(order, t):
+        torch.set_num_threads(t)
+        run(order)
+
+    fs = {}
+    for t in sorted({1, threads}):
+        fs[f"streamed_{t}t"], fs[f"resident_{t}t"] = (lambda t=t: at(streamed, t)), (lambda t=t: at(resident, t))
+    ms = best_ms(fs, rounds=7)
+    torch.set_num_threads(threads)
+    emit(bench=f"120 int8 linears at {rows} rows on 1 and {threads} threads, ms", **ms,
+         speedup_streamed=round(ms["streamed_1t"] / ms[f"streamed_{threads}t"], 2),
+         speedup_resident=round(ms["resident_1t"] / ms[f"resident_{threads}t"], 2))
 
 
 def torch_add_rms_norm(h, r, w):  # HF's skip connection and LlamaRMSNorm

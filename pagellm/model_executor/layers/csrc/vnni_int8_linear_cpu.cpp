@@ -184,9 +184,12 @@ void quantize_rows(const Gemm& g, const uint32_t* keep, int64_t r0, int64_t r1) 
 // exact as the sums of x's int8 values (not plus 128) times the weight's, and run the whole depth: nothing but
 // VPDPBUSD, the loads and prefetches in the loop (PB: they run a block, from its offset, and join fp32 sums times
 // its step).
-// Each 4-deep step also prefetches its tiles' row one 32-deep block ahead (K = 1,536: a 32-column panel is 48 KiB,
-// more than L1 holds, so each call reads it from L2) and one line of pf, the next column block's panels.
-template <int R, int NT, bool PB>
+// Each 4-deep step also prefetches one line of pf, the next column block's panels, and, in a column block's first
+// row group (PF), its tiles' row one 32-deep block ahead. Later row groups find the panel in L1 (K = 576: 18 KiB)
+// or stream it from L2 (K = 1,536: 48 KiB), where the hardware's prefetcher keeps up: without their prefetches,
+// SmolLM2's 120 layer linears took 0.97x the time at 2,048 rows and 0.98x at 64 on two threads (Zen 4, medians of
+// 9 alternating rounds; one thread, each shape at 2,048 rows: 0.96-0.99x).
+template <int R, int NT, bool PB, bool PF>
 void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w, const float* const* s,
            const float* xo, int64_t P, const float* const* wc, int64_t ldwc, float* f, NextPanels* pf) {
   const int64_t KB = K / 32;
@@ -206,7 +209,7 @@ void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w
     for (int j = 0; j < 8; ++j) {
       __m512i wv[NT];
       for (int t = 0; t < NT; ++t) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[t] + (b * 8 + j) * 64 + 512), _MM_HINT_T0);
+        if (PF) _mm_prefetch(reinterpret_cast<const char*>(w[t] + (b * 8 + j) * 64 + 512), _MM_HINT_T0);
         wv[t] = _mm512_loadu_si512(w[t] + (b * 8 + j) * 64);
       }
       if (const char* line = pf->next()) _mm_prefetch(line, _MM_HINT_T1);
@@ -237,26 +240,29 @@ void micro(const uint8_t* xu, const float* dx, int64_t K, const int8_t* const* w
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(f + r * NT * 16 + t * 16, acc[r][t]);
 }
 
-template <int NT, bool PB, typename... A>
+template <int NT, bool PB, bool PF, typename... A>
 void micro_rows(int R, A... a) {
   switch (R) {
-    case 6: micro<6, NT, PB>(a...); break;
-    case 5: micro<5, NT, PB>(a...); break;
-    case 4: micro<4, NT, PB>(a...); break;
-    case 3: micro<3, NT, PB>(a...); break;
-    case 2: micro<2, NT, PB>(a...); break;
-    default: micro<1, NT, PB>(a...); break;
+    case 6: micro<6, NT, PB, PF>(a...); break;
+    case 5: micro<5, NT, PB, PF>(a...); break;
+    case 4: micro<4, NT, PB, PF>(a...); break;
+    case 3: micro<3, NT, PB, PF>(a...); break;
+    case 2: micro<2, NT, PB, PF>(a...); break;
+    default: micro<1, NT, PB, PF>(a...); break;
   }
 }
 
 template <int NT, typename... A>
-void micro_rows(bool per_block, int R, A... a) {
-  if (per_block) micro_rows<NT, true>(R, a...);
-  else micro_rows<NT, false>(R, a...);
+void micro_rows(bool per_block, bool pf, int R, A... a) {
+  if (per_block) {
+    if (pf) micro_rows<NT, true, true>(R, a...); else micro_rows<NT, true, false>(R, a...);
+  } else {
+    if (pf) micro_rows<NT, false, true>(R, a...); else micro_rows<NT, false, false>(R, a...);
+  }
 }
 
 // The fp32 sums of rows [r, r + R) against the 1-2 tiles from tile t0 into f [R][32] (row stride 32).
-void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels& pf) {
+void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPanels& pf, bool first) {
   const int64_t KB = g.K / 32;
   const int8_t* w[2] = {g.w8 + t0 * KB * 512, g.w8 + (t0 + nt - 1) * KB * 512};
   const float* s[2] = {g.scales + t0 * g.tile_scales, g.scales + (t0 + nt - 1) * g.tile_scales};
@@ -265,10 +271,10 @@ void sums(const Gemm& g, int64_t r, int R, int64_t t0, int nt, float* f, NextPan
   const uint8_t* xu = g.xu + r * g.K;
   const float *dx = g.dx + r, *xo = g.xo + r * g.P;
   if (nt == 2) {
-    micro_rows<2>(g.per_block, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, f, &pf);
+    micro_rows<2>(g.per_block, first, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, f, &pf);
     return;
   }
-  micro_rows<1>(g.per_block, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, &pf);
+  micro_rows<1>(g.per_block, first, R, xu, dx, g.K, w, s, xo, g.P, wc, g.ldwc, tmp, &pf);
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(f + i * 32, _mm512_loadu_ps(tmp + i * 16));
 }
 
@@ -293,9 +299,9 @@ void column_block(const Gemm& g, int64_t r0, int64_t r1, int64_t n0, int64_t col
   if (next_n0 >= 0) add_panels(g, next_n0, next);
   for (int64_t r = r0; r < r1; r += kMR) {
     const int R = static_cast<int>(std::min<int64_t>(kMR, r1 - r));
-    sums(g, r, R, t0, nt, f, next);
+    sums(g, r, R, t0, nt, f, next, r == r0);
     if (g.silu) {  // cols == 16 * nt (N % 16 == 0); up's tiles follow gate's N / 16
-      sums(g, r, R, t0 + g.N / 16, nt, fu, next);
+      sums(g, r, R, t0 + g.N / 16, nt, fu, next, r == r0);
       for (int i = 0; i < R; ++i) {
         bf16* ym = g.y + (r + i) * g.ldy + n0;
         for (int j = 0; j < cols; j += 16) {

@@ -226,9 +226,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunks(c: _Choice):
-            """c's new text and tokens, unless its prompt's logprobs (for echo) are still to come from its lead."""
+            """c's new text and tokens, if any (c no longer waits on its lead: serving.released)."""
             text, tok_start = c.text[c.sent_text:], c.sent_tokens
-            if not c.waiting and (text or c.finish_reason or len(c.token_ids) > c.sent_tokens):
+            if text or c.finish_reason or len(c.token_ids) > c.sent_tokens:
                 chunk = make_chunk(rid, c, text, tok_start, req)
                 c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
                 yield sse(chunk)

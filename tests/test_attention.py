@@ -262,6 +262,31 @@ def test_decode_rows_are_dense_attention_rounded_once(block_size, window, heads,
     assert err.max() <= 2 ** -8, err.max()
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)], ids=["g3", "g4-d128"])
+def test_dot_product_chunks_are_dense_attention_within_bf16_weights(block_size, window, heads, kv_heads, dim):
+    # Prefill chunks on VDPBF16PS (AMD, fma_linear_dot_default; the other run of this file where a CPU has
+    # AVX512-BF16 but another default): the weights exp(s - max) are rounded to bf16 unnormalised and the weighted
+    # sums divided by the unrounded sums, so as for decode rows each weight is off by at most 2^-8 of itself (and
+    # ~3e-6 from the exponential). Chunks start and end at odd positions (pairs of tokens cut by the span's ends),
+    # contexts end mid-block with stale NaN slots after, the window cuts pairs too; the paged kernel takes every chunk.
+    from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
+
+    backend = CPUPagedAttention(kv_heads, dim, block_size)
+    if not backend.ops.fma_linear_dot_default():
+        pytest.skip("the paged kernel sums on FMAs on this CPU (the test's other run covers VDPBF16PS)")
+    backend.amx_prefill = False
+    q_lens, ctx_lens = [37, 1, 64, 5, 130], [37, 90, 101, 211, 333]
+    q, k, v, cache, meta, k_all, v_all = make_case(backend, q_lens, ctx_lens, block_size, torch.bfloat16, heads,
+                                                   kv_heads, dim, seed=11)
+    out = backend.forward(q, k, v, cache, meta, scale=dim ** -0.5, sliding_window=window).double()
+    ref = dense_reference(q, k_all, v_all, q_lens, ctx_lens, dim ** -0.5, window)
+    weighted_abs = dense_reference(q, k_all, [t.abs() for t in v_all], q_lens, ctx_lens, dim ** -0.5, window)
+    bound = 2 ** -8 * (ref.abs() + 1.01 * weighted_abs)
+    assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() / bound).max()
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_attention_writes_this_steps_rows_as_write_kv_cache_does(cache_dtype):
     # paged_attention with k_new / v_new / slot_mapping writes the rows itself (decode rows and short chunks

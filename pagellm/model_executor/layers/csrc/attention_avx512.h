@@ -2,7 +2,7 @@
 // per block and kv head, the scores of a task's query vectors 16 tokens at a time (score_tile; decode rows 32 at a
 // time, score_block32), the causal softmax (softmax_rows), then each group of vectors' weighted sum of the values
 // over the span, accumulated in fp32. With Args::dot (bf16 cache, AMD's AVX512-BF16) the scores and the weighted
-// sums take VDPBF16PS, the probabilities rounded to bf16 for it.
+// sums take VDPBF16PS, the softmax's weights rounded to bf16 for it (unnormalised, the sums divided at the end).
 #pragma once
 
 #include <algorithm>
@@ -57,7 +57,7 @@ inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t 
 // bf16 pairs (softmax_rows' P16).
 template <int NV, int C, typename T, bool kDot>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                       int64_t v0, float* of, NextBlocks& ahead, int64_t per_block) {
+                       int64_t v0, float* of, NextBlocks& ahead, int64_t per_block, const float* inv) {
   __m512 acc[NV][C];
   PAGELLM_UNROLL
   for (int v = 0; v < NV; ++v)
@@ -72,28 +72,33 @@ inline void values_for(const Args& a, const Task& t, const Span& s, const float*
     pv_block<NV, C, T, kDot>(S + at, s.ns, vb, lo, hi, acc, kDot ? P + at / 2 : nullptr, pf);
     if (!ahead.stream) ahead.issue(per_block);
   }
-  const __m512 undo = _mm512_set1_ps(fp8_read_scale<T>());  // the values were read scaled down (fp8 e4m3)
+  // kDot: the weights were exp(s - max) (softmax_rows' P16), inv their sums' inverses; fp8 e4m3: the values were
+  // read scaled down
   PAGELLM_UNROLL
-  for (int v = 0; v < NV; ++v)
+  for (int v = 0; v < NV; ++v) {
+    const __m512 f = _mm512_set1_ps(kDot ? inv[v0 + v] : fp8_read_scale<T>());
     PAGELLM_UNROLL
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(of + (v0 + v) * 16 * C + 16 * c,
-                       fp8_read_scale<T>() == 1.f ? acc[v][c] : _mm512_mul_ps(acc[v][c], undo));
+                       kDot || fp8_read_scale<T>() != 1.f ? _mm512_mul_ps(acc[v][c], f) : acc[v][c]);
+  }
 }
 
 // The last rem (< NV) vectors in one pass.
 template <int C, typename T, bool kDot, int K>
 inline void values_tail(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
-                        int64_t v0, int64_t rem, float* of, NextBlocks& ahead, int64_t per_block) {
+                        int64_t v0, int64_t rem, float* of, NextBlocks& ahead, int64_t per_block,
+                        const float* inv) {
   if constexpr (K > 0) {
-    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of, ahead, per_block);
-    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of, ahead, per_block);
+    if (rem == K) values_for<K, C, T, kDot>(a, t, s, S, P, vc, v0, of, ahead, per_block, inv);
+    else values_tail<C, T, kDot, K - 1>(a, t, s, S, P, vc, v0, rem, of, ahead, per_block, inv);
   }
 }
 
 // kDot: qf holds q's bf16 pairs, unscaled (run_task; score_tile's kDot), and S has room after the task's scores
-// for one head's probabilities as bf16 pairs (nv * ns / 2 words): the value pass runs on VDPBF16PS too, on the
-// probabilities rounded to bf16 as SDPA's CPU flash kernel rounds them in bf16 (pv_pair_dot). ahead: the first
+// for one head's weights as bf16 pairs (nv * ns / 2 words) and the inverses of their sums (nv floats): the value
+// pass runs on VDPBF16PS too, on the unnormalised weights rounded to bf16 as SDPA's CPU flash kernel rounds them
+// (pv_pair_dot), and divides by the sums at the end. ahead: the first
 // blocks of the thread's next task, prefetched during the value pass; for decode rows with kDot, ahead.stream (the
 // thread's ReadAhead, paged_attention_task.h) streams this task's blocks and the next one's instead.
 template <int C, typename T, bool kDot>
@@ -146,10 +151,11 @@ void attend(const Args& a, const Task& t, const float* qf, const T* kc, const T*
     float* Sh = S + j * nv * s.ns;
     float* oh = of + j * nv * D;
     int32_t* P = kDot ? reinterpret_cast<int32_t*>(S + t.nh * nv * s.ns) : nullptr;
-    softmax_rows(a, th, s, Sh, reinterpret_cast<uint16_t*>(P));
+    float* inv = kDot ? S + t.nh * nv * s.ns + nv * s.ns / 2 : nullptr;
+    softmax_rows(a, th, s, Sh, reinterpret_cast<uint16_t*>(P), inv);
     int64_t v = 0;
-    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block);
-    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block);
+    for (; v + NV <= nv; v += NV) values_for<NV, C, T, kDot>(a, th, s, Sh, P, vc, v, oh, ahead, per_block, inv);
+    if (v < nv) values_tail<C, T, kDot, NV - 1>(a, th, s, Sh, P, vc, v, nv - v, oh, ahead, per_block, inv);
   }
   if (stream) stream->end();
 }

@@ -76,24 +76,50 @@ inline void softmax_range(float* s, int64_t lo, int64_t hi, float* lse = nullptr
   if (lse) *lse = m + std::log(sum);
 }
 
-// softmax_range on [lo, hi) of one row with each probability then rounded to bf16 (nearest even, denormals to 0:
-// what VDPBF16PS reads), stored both as fp32 (s) and as bf16 (h[t] for token t): kDot's value pass reads the bf16
-// pairs, and a pair cut by a span's ends goes through the FMAs on the same rounded fp32 values, so a row's bits do
-// not depend on where its chunk ends. Normalising and rounding are one sweep over the row's own keys (they were a
-// pass each, the rounding over the task's whole score rectangle). *lse as softmax_range's.
-inline void softmax_range_bf16(float* s, uint16_t* h, int64_t lo, int64_t hi, float* lse = nullptr) {
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 to ~3e-6 relative (exp16's ~1e-7 takes five more instructions), for values rounded to bf16
+// (2^-9) next: ln 2 in one step, a degree-4 polynomial (a minimax fit of exp's relative error on [-ln2/2, ln2/2]).
+inline __m512 exp16_coarse(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0414586067f), r, _mm512_set1_ps(0.167909071f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.500043571f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999963403f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999999285f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// exp(s - max) on [lo, hi) of one row, each rounded to bf16 (nearest even, denormals to 0: what VDPBF16PS reads)
+// into h[t] for token t; returns the sum of the unrounded values, by which the caller divides the weighted sums
+// (as flash attention does, and SDPA's CPU kernel, whose bf16 weights are unnormalised too). One sweep after the
+// maximum's: normalising and rounding took a third and a fourth (and a store of the rounded values as fp32).
+// *lse as softmax_range's.
+inline float exp_range_bf16(const float* s, uint16_t* h, int64_t lo, int64_t hi, float* lse = nullptr) {
 #if defined(__AVX512BF16__)
-  const float m = max_of(s + lo, hi - lo), sum = exp_sum(s, lo, hi, m);
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (int64_t i = lo; i < hi; i += 16) {
-    const __mmask16 k = static_cast<__mmask16>(hi - i >= 16 ? 0xffffu : (1u << (hi - i)) - 1);
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
-    _mm256_mask_storeu_epi16(h + i, k, b);
-    _mm512_mask_storeu_ps(s + i, k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  const float m = max_of(s + lo, hi - lo);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t i = lo;
+  for (; i + 16 <= hi; i += 16) {
+    const __m512 e = exp16_coarse(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), (__m256i)_mm512_cvtneps_pbh(e));
   }
+  if (i < hi) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (hi - i)) - 1);
+    const __m512 e = exp16_coarse(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+    _mm256_mask_storeu_epi16(h + i, k, (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
   if (lse) *lse = m + std::log(sum);
+  return sum;
 #else
   (void)s, (void)h, (void)lo, (void)hi, (void)lse;  // never called: kDot needs AVX512-BF16
+  return 1.f;
 #endif
 }
 
@@ -277,7 +303,7 @@ PAGELLM_INLINE void pv_pair(const float* p, int64_t ns, const int32_t* row, bool
 }
 
 // kDot: acc[v] += p[v][2i] * v_2i + p[v][2i+1] * v_2i+1 for one token pair, one VDPBF16PS per 16 dims and vector:
-// pw[v * nsw] holds the pair's probabilities as bf16 (softmax_range_bf16), the value row the tokens' bf16 pairs.
+// pw[v * nsw] holds the pair's weights as bf16 (exp_range_bf16), the value row the tokens' bf16 pairs.
 template <int NV, int C>
 PAGELLM_INLINE void pv_pair_dot(const int32_t* pw, int64_t nsw, const int32_t* row, __m512 (&acc)[NV][C]) {
 #if defined(__AVX512BF16__)

@@ -27,7 +27,7 @@
 // fp16_sums (bf16/fp16 queries, CPUs with AVX512-FP16): prefill chunks run on an fp16 copy of their blocks with
 // fp16 partial sums, attention_fp16.h. CPUs with AVX2 and FMA but no AVX-512: tasks over a bf16 cache take the
 // same loops on 8-lane vectors, attention_avx2.h (other caches the portable loop). On AMD CPUs with AVX512-BF16
-// (Args::dot) a bf16 cache's scores and weighted sums take VDPBF16PS, the probabilities rounded to bf16 for it.
+// (Args::dot) a bf16 cache's scores and weighted sums take VDPBF16PS, the weights rounded to bf16 for it.
 // The AVX-512 loops of a task are attention_avx512.h; an fp8 cache's prefill chunks read a bf16 copy of their
 // blocks made once per call, fp8_staging.h.
 #include <ATen/core/Tensor.h>
@@ -120,7 +120,8 @@ void run_task(const Args& a, const Task& t, const T* qp, const KV* kc, const KV*
     }
 #endif
   w.qf.resize(t.nh * nv * D);
-  w.S.resize(t.nh * nv * s.ns + nv * s.ns / 2);  // the scores, and with Args::dot one head's bf16 probabilities
+  // the scores, and with Args::dot one head's bf16 weights and the inverses of their sums
+  w.S.resize(t.nh * nv * s.ns + nv * s.ns / 2 + nv);
   // fp8: a staged request's tasks run on the bf16 copy of its blocks; otherwise the vectorised kernel reads e4m3
   // keys scaled down (fp8_read_scale) and q takes the factor, exactly.
   const bool half = !st16.on.empty() && st16.on[t.r];

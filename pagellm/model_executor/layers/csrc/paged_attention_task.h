@@ -164,23 +164,30 @@ struct ReadAhead {
 };
 
 // Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi). P16 (kDot):
-// the probabilities also as bf16, rounded (softmax_range_bf16), in rows of ns values like S's.
-inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, uint16_t* P16 = nullptr) {
+// instead the weights exp(s - max) rounded to bf16 (exp_range_bf16), zero elsewhere in [klo, khi), in rows of ns
+// values like S's, and inv[v] = 1 / their row's sum, by which values_for scales vector v's weighted sum. Of S's row
+// only the first and the last token of [klo, khi) are then read (pv_block's pairs cut by the span's ends): they get
+// the rounded weights as fp32, so a row's bits do not depend on where its chunk ends.
+inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, uint16_t* P16 = nullptr,
+                         float* inv = nullptr) {
   const int64_t base = s.b0 * a.B;
   for (int64_t i = 0; i < t.nrows; ++i) {
     const int64_t p = s.p0 + i, lo = key_lo(a, t.r, p);
     for (int64_t g = 0; g < a.G; ++g) {
       float* row = S + (i * a.G + g) * s.ns - base;  // row[token]
-      uint16_t* row16 = P16 ? P16 + (i * a.G + g) * s.ns - base : nullptr;
       float* lse = a.lse ? a.lse + (a.qs[t.r] + t.i0 + i) * a.lse_s0 + t.h * a.G + g : nullptr;
-      if (row16) softmax_range_bf16(row, row16, lo, p + 1, lse);
-      else softmax_range(row, lo, p + 1, lse);
-      std::fill(row + s.klo, row + lo, 0.f);
-      std::fill(row + p + 1, row + s.khi, 0.f);
-      if (row16) {
+      if (P16) {
+        uint16_t* row16 = P16 + (i * a.G + g) * s.ns - base;
+        inv[i * a.G + g] = 1.f / exp_range_bf16(row, row16, lo, p + 1, lse);
         std::fill(row16 + s.klo, row16 + lo, uint16_t{0});
         std::fill(row16 + p + 1, row16 + s.khi, uint16_t{0});
+        for (const int64_t end : {s.klo, s.khi - 1})
+          row[end] = to_float(c10::BFloat16(row16[end], c10::BFloat16::from_bits()));
+        continue;
       }
+      softmax_range(row, lo, p + 1, lse);
+      std::fill(row + s.klo, row + lo, 0.f);
+      std::fill(row + p + 1, row + s.khi, 0.f);
     }
   }
 }

@@ -242,9 +242,9 @@ def test_decode_rows_are_dense_attention_rounded_once(block_size, window, heads,
     # Decode rows (and a 2-row chunk) over a bf16 cache: with AMX, up to 8 query vectors per kv head go to the tile
     # kernel (decode_attention_amx.h), whose probabilities keep ~16 bits (a bf16 high and low half), so each output
     # is the fp64 result rounded to bf16 once; contexts end anywhere in a 32-key chunk (stale NaN slots after).
-    # Where the kernel sums on VDPBF16PS (AMD, fma_linear_dot_default) the probabilities are rounded to bf16 (as
-    # SDPA's bf16 CPU kernel rounds them): each weight p_i off by at most 2^-8 p_i (bf16's unit roundoff), so the
-    # output is off by at most 2^-8 * sum p_i |v_i| more.
+    # Where the kernel sums on VDPBF16PS (AMD, fma_linear_dot_default) the weights are rounded to bf16 (unnormalised,
+    # as SDPA's bf16 CPU kernel rounds them, the sums divided at the end): each weight p_i off by at most 2^-8 p_i
+    # (bf16's unit roundoff), so the output is off by at most 2^-8 * sum p_i |v_i| more.
     from pagellm.model_executor.layers.cpu_attention import CPUPagedAttention
 
     q_lens, ctx_lens = [1, 1, 1, 1, 2, 1, 1], [1, 31, 32, 33, 95, 300, 64]

@@ -53,8 +53,8 @@ inline void scores_block32_for(const float* qf, int64_t D, const T* kb, int64_t 
   }
 }
 
-// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32). kDot: P holds S's
-// bf16 pairs (softmax_rows' P16).
+// Weighted sums for vectors [v0, v0 + NV) over keys [klo, khi), block by block -> of (fp32). kDot: P holds the
+// unnormalised weights' bf16 pairs (softmax_rows' P16), each vector's sum scaled by its inv at the end.
 template <int NV, int C, typename T, bool kDot>
 inline void values_for(const Args& a, const Task& t, const Span& s, const float* S, const int32_t* P, const T* vc,
                        int64_t v0, float* of, NextBlocks& ahead, int64_t per_block, const float* inv) {

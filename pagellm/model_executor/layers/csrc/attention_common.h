@@ -336,7 +336,8 @@ PAGELLM_INLINE void pv_quad(const float* p, int64_t ns, const int32_t* row, unsi
 
 // acc[v] += sum over tokens lo..hi-1 of one block of p[v][t] * v_t (head_dim = 16 * C). Tokens outside
 // [lo, hi) are skipped, never multiplied by 0: a stale NaN in an unused slot must not leak in. kDot (bf16): the
-// pairs inside [lo, hi) by pv_pair_dot on pw (p's pairs, row stride ns / 2), a pair cut by lo or hi by the FMAs.
+// pairs inside [lo, hi) by pv_pair_dot on pw (the weights' bf16 pairs, row stride ns / 2), a pair cut by lo or hi by
+// the FMAs on p (where softmax_rows left the same rounded weights: p is read nowhere else).
 // pf (kDot, optional): a region of the cache laid out as vb, its lines of each pair prefetched into L2 alongside
 // (ReadAhead).
 template <int NV, int C, typename T, bool kDot = false>

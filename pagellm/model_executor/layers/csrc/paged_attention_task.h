@@ -163,11 +163,11 @@ struct ReadAhead {
   void end() { carried = std::max<int64_t>(0, pos - own); }
 };
 
-// Causal softmax of each vector's row of scores over its own key range; zero elsewhere in [klo, khi). P16 (kDot):
-// instead the weights exp(s - max) rounded to bf16 (exp_range_bf16), zero elsewhere in [klo, khi), in rows of ns
-// values like S's, and inv[v] = 1 / their row's sum, by which values_for scales vector v's weighted sum. Of S's row
-// only the first and the last token of [klo, khi) are then read (pv_block's pairs cut by the span's ends): they get
-// the rounded weights as fp32, so a row's bits do not depend on where its chunk ends.
+// Causal softmax of each vector's row of scores over its own key range, in place; zero elsewhere in [klo, khi). P16
+// (kDot): instead the weights exp(s - max) rounded to bf16 (exp_range_bf16), zero elsewhere in [klo, khi), in rows of
+// ns values like S's, and inv[v] = 1 / their row's sum, by which values_for scales vector v's weighted sum. Of S's row
+// only the first and the last token of [klo, khi) are then read (pv_block's pairs cut by the span's ends): they get the
+// rounded weights as fp32, so a row's bits do not depend on where its chunk ends.
 inline void softmax_rows(const Args& a, const Task& t, const Span& s, float* S, uint16_t* P16 = nullptr,
                          float* inv = nullptr) {
   const int64_t base = s.b0 * a.B;

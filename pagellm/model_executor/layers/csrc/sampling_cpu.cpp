@@ -57,6 +57,18 @@ inline int64_t append_lanes(int32_t* out, int64_t n, __mmask16 m, __m512i v) {
   _mm512_storeu_si512(out + n, _mm512_maskz_compress_epi32(m, v));
   return n + __builtin_popcount(m);
 }
+#elif defined(PAGELLM_HAS_AVX2)
+// AVX2 has no compress: tokens j .. j + 7 whose bit is set in m (movemask's), appended without a branch.
+inline int64_t append_lanes8(int32_t* out, int64_t n, int m, int64_t j) {
+  for (int k = 0; k < 8; ++k) out[n] = static_cast<int32_t>(j + k), n += (m >> k) & 1;
+  return n;
+}
+
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
 #endif
 
 // Branch-free (the buckets of neighbouring tokens are unrelated, a branch per token mispredicts often): sets
@@ -74,6 +86,15 @@ void split(const int32_t* bk, int64_t V, int first, int last, float* e, Scratch&
     _mm512_mask_storeu_ps(e + j, after, _mm512_setzero_ps());
     const __mmask16 in = _mm512_mask_cmpge_epi32_mask(static_cast<__mmask16>(~after), b, vf);
     n = append_lanes(out, n, in, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(j))));
+  }
+#elif defined(PAGELLM_HAS_AVX2)
+  const __m256i vf = _mm256_set1_epi32(first), vl = _mm256_set1_epi32(last);
+  for (; j + 8 <= V; j += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bk + j));
+    const __m256i after = _mm256_cmpgt_epi32(b, vl);
+    _mm256_maskstore_ps(e + j, after, _mm256_setzero_ps());
+    const __m256i before = _mm256_cmpgt_epi32(vf, b);
+    n = append_lanes8(out, n, ~_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(after, before))) & 0xff, j);
   }
 #endif
   for (; j < V; ++j) {
@@ -117,6 +138,27 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float min_p, float* 
   }
   total = _mm512_reduce_add_ps(acc);
   near_mass = _mm512_reduce_add_ps(acc_near);
+#elif defined(PAGELLM_HAS_AVX2)
+  // as above on 8 lanes (exp8 is exp16's reduction and polynomial)
+  const __m256 vmx = _mm256_set1_ps(mx), vscale = _mm256_set1_ps(kBucketsPerUnit);
+  const __m256 vlast = _mm256_set1_ps(static_cast<float>(kBuckets - 1)), vnear = _mm256_set1_ps(float(kNear));
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), vminp = _mm256_set1_ps(min_p);
+  __m256 acc = _mm256_setzero_ps(), acc_near = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = _mm256_loadu_ps(l + i);
+    const __m256 ex = v8::exp8(_mm256_sub_ps(x, vmx));
+    const __m256 live = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), _mm256_cmp_ps(ex, vminp, _CMP_GE_OQ));
+    const __m256 v = _mm256_and_ps(live, ex);
+    _mm256_storeu_ps(e + i, v);
+    acc = _mm256_add_ps(acc, v);
+    const __m256 b = _mm256_blendv_ps(vlast, _mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vmx, x), vscale), vlast), live);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bk + i), _mm256_cvttps_epi32(b));
+    const __m256 in = _mm256_cmp_ps(b, vnear, _CMP_LT_OQ);
+    acc_near = _mm256_add_ps(acc_near, _mm256_and_ps(in, v));
+    n_near = append_lanes8(near, n_near, _mm256_movemask_ps(in), i);
+  }
+  total = sum8(acc);
+  near_mass = sum8(acc_near);
 #endif
   for (; i < V; ++i) {
     const float ex = std::exp(l[i] - mx);
@@ -204,19 +246,26 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float min_p, float* 
 int64_t draw(const float* e, int64_t V, float u) {
   float total = 0.f;
   int64_t i = 0;
+#if defined(__AVX512F__) || defined(PAGELLM_HAS_AVX2)
 #if defined(__AVX512F__)
+  constexpr int64_t W = 16;
+  auto block_sum = [](const float* x) { return _mm512_reduce_add_ps(_mm512_loadu_ps(x)); };
+#else
+  constexpr int64_t W = 8;
+  auto block_sum = [](const float* x) { return sum8(_mm256_loadu_ps(x)); };
+#endif
   // each block's sum once, kept for the second walk (its horizontal sums again took ~5% of a row's time)
   static thread_local std::vector<float> block;
-  block.resize(static_cast<size_t>(V / 16));
-  for (; i + 16 <= V; i += 16) total += block[i / 16] = _mm512_reduce_add_ps(_mm512_loadu_ps(e + i));
+  block.resize(static_cast<size_t>(V / W));
+  for (; i + W <= V; i += W) total += block[i / W] = block_sum(e + i);
 #endif
   for (; i < V; ++i) total += e[i];
   const float target = u * total;
   float run = 0.f;
   i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= V; i += 16) {
-    const float s = block[i / 16];
+#if defined(__AVX512F__) || defined(PAGELLM_HAS_AVX2)
+  for (; i + W <= V; i += W) {
+    const float s = block[i / W];
     if (run + s > target) break;
     run += s;
   }

@@ -315,6 +315,26 @@ def test_sample_rows_draws_as_the_torch_path():
         assert bool((probs[0, got] > 0).all())
 
 
+def test_nan_logits_are_removed_tokens_and_keep_the_maximum():
+    """A NaN logit is a token the cut removes, and it does not hide the row's maximum: the kernels' vector maximum
+    once let a NaN replace what its lane had seen, so a row's maximum came out below a real logit (here exp(l - max)
+    was 533 at the largest token, whose bucket fell below zero: the histogram wrote before its array)."""
+    ops = CUTS["cpp"]
+    torch.manual_seed(4)
+    r = 3
+    logits = torch.randn(r, 64)
+    logits[:, 5] = 9.0  # the largest, in lane 5 of the first vector of 16 (and of 8)
+    logits[:, 21] = float("nan")  # lane 5 again, in a later vector
+    top_k, top_p = torch.tensor([1, 0, 0]), torch.tensor([1.0, 0.5, 1.0])
+    probs = torch.empty_like(logits)
+    ops.top_k_top_p_probs(logits, top_k, top_p, torch.zeros(r), probs)
+    assert probs[:, 5].tolist() == [1.0, 1.0, 1.0]  # exp(l - max) at the maximum
+    assert (probs[:, 21] == 0).all() and bool(torch.isfinite(probs).all())
+    got = torch.empty(r, dtype=torch.int64)
+    ops.sample_rows(logits, torch.ones(r), top_k, top_p, torch.zeros(r), torch.tensor([0.5, 0.5, 0.999]), got)
+    assert got[:2].tolist() == [5, 5] and got[2].item() != 21
+
+
 @pytest.mark.parametrize("k", [0, 1, 5, 20])
 def test_logprobs_rows_match_torch(k):
     """The C++ logprobs (two passes per row) equal log_softmax's: the sampled token's value and rank, and the top

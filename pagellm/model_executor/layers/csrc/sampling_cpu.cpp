@@ -58,7 +58,8 @@ inline int64_t append_lanes(int32_t* out, int64_t n, __mmask16 m, __m512i v) {
   return n + __builtin_popcount(m);
 }
 #elif defined(PAGELLM_HAS_AVX2)
-// AVX2 has no compress: tokens j .. j + 7 whose bit is set in m (movemask's), appended without a branch.
+// AVX2 has no compress: tokens j .. j + 7 whose bit is set in m (movemask's), appended without a branch (each lane
+// writes out[n]: the callers list tokens below j + 8 <= V with n <= j, so every write stays within their V slots).
 inline int64_t append_lanes8(int32_t* out, int64_t n, int m, int64_t j) {
   for (int k = 0; k < 8; ++k) out[n] = static_cast<int32_t>(j + k), n += (m >> k) & 1;
   return n;
@@ -240,8 +241,9 @@ void cut_row(const float* l, int64_t V, int64_t k, float p, float min_p, float* 
   }
 }
 
-// The first token whose cumulative e (id order) passes u * total, in blocks of 16 then token by token; total sums
-// the same blocks in the same order, so the blocks' running sum reaches it and u < 1 keeps the target below it.
+// The first token whose cumulative e (id order) passes u * total, in blocks of W (16 values on AVX-512, 8 on AVX2)
+// then token by token; total sums the same blocks in the same order, so the blocks' running sum reaches it and
+// u < 1 keeps the target below it.
 // A token with e = 0 never passes: the sum does not move there.
 int64_t draw(const float* e, int64_t V, float u) {
   float total = 0.f;

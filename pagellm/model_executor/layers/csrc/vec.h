@@ -200,22 +200,23 @@ inline __m512 silu16(__m512 x) {
 }
 #endif
 
-// The largest of x[0..n) (-inf when n = 0).
+// The largest of x[0..n) (-inf when n = 0), NaNs left out: max_ps(a, b) returns b when either is NaN, so the new
+// values go first (with the running maximum second, a NaN would replace it and lose what its lane had seen).
 inline float max_of(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
 #if defined(__AVX512F__)
   __m512 vm = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(_mm512_loadu_ps(x + i), vm);
   if (i < n) {  // the last < 16 in masked lanes
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    vm = _mm512_mask_max_ps(vm, k, vm, _mm512_maskz_loadu_ps(k, x + i));
+    vm = _mm512_mask_max_ps(vm, k, _mm512_maskz_loadu_ps(k, x + i), vm);
     i = n;
   }
   m = _mm512_reduce_max_ps(vm);
 #elif defined(PAGELLM_HAS_AVX2)
   __m256 vm = _mm256_set1_ps(m);
-  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + i), vm);
   alignas(32) float part[8];
   _mm256_store_ps(part, vm);
   for (float p : part) m = std::max(m, p);

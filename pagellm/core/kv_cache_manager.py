@@ -9,6 +9,12 @@ Prefix caching (``enable_prefix_caching``): every full block of a request gets a
 token prefixes sharing a block) practically impossible, so a hit is an exact match. A new request reuses the
 longest run of cached blocks that match its tokens, but never all of them: at least the last token is computed,
 so the step that admits it produces logits. Full blocks are registered when they are scheduled to be filled.
+
+Forks (beam search): a request can start from another's computed tokens (``fork``). It takes a reference on each
+of the parent's blocks, the last, partial one included, and computes only what it adds. The first sequence to write
+into a partial block that others also hold gets its own copy first (copy-on-write, in ``allocate_slots``): the copy
+is queued in ``copies`` for the runner, which performs it before the step's forward pass. Only a fork shares a
+partial block; the prefix cache shares full blocks, which no one writes.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of which found in the cache
+        self.copies: list[tuple[int, int]] = []  # (source, destination) block copies for the next step
+        self.num_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -82,8 +90,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(request.blocks) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # they leave the free queue
-        if max(need, 0) + revived > self.pool.num_free_blocks:
+        shared = self._shared_partial(request) if num_new_tokens > 0 else None
+        if max(need, 0) + revived + (shared is not None) > self.pool.num_free_blocks:
             return False
+        if shared is not None:  # copy-on-write: this request is about to write into a block that others hold
+            copy = self.pool.allocate(1)[0]
+            self.copies.append((request.blocks[shared].block_id, copy.block_id))
+            self.num_copies += 1
+            self.pool.free([request.blocks[shared]])
+            request.blocks[shared] = copy
         if self.enable_prefix_caching and request.num_computed_tokens == 0:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed_blocks) * self.block_size
@@ -98,6 +113,32 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, (num_computed + num_new_tokens) // self.block_size)
         return True
+
+    def _shared_partial(self, request: Request) -> int | None:
+        """Index of the request's partly filled last block when another sequence holds it too, else None."""
+        i, filled = divmod(request.num_computed_tokens, self.block_size)
+        if filled and i < len(request.blocks) and request.blocks[i].ref_cnt > 1:
+            return i
+        return None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start ``child`` from ``parent``'s computed tokens, which must be the head of the child's tokens: the
+        child takes a reference on the blocks holding them (the partial last one included, copied on write) and
+        counts them as computed."""
+        n = parent.num_computed_tokens
+        assert child.token_at(0, n) == parent.token_at(0, n), "a fork must extend its parent's computed tokens"
+        blocks = parent.blocks[:self.blocks_needed(n)]
+        self.pool.incref(blocks)
+        child.blocks = list(blocks)
+        child.num_computed_tokens = n
+        full = n // self.block_size
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies queued since the last call (each destination a fresh block, each source held)."""
+        out, self.copies = self.copies, []
+        return out
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> None:
         """Register the blocks that this step fills completely, so later requests can find them."""

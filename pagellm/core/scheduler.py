@@ -28,6 +28,12 @@ When the pool runs dry, the most recently admitted running request is preempted 
 are freed, its computed count reset, and it goes back to the *front* of the waiting queue. The oldest running
 request is scheduled first and is never the victim while a younger one exists, so it cannot starve, and since
 every admitted request fits in the pool on its own, the oldest can always make progress.
+
+Blocks held outside the running requests: a finished ``keep_kv`` request's (``kept``, for forks:
+LLMEngine.fork_request), and a fork's while it waits. They give way under pressure: when a running request could
+only go on by preempting itself, or nothing runs and the head of the queue does not fit, the oldest kept
+request's blocks are freed first, then the newest waiting fork's, one at a time until the request fits. A fork
+whose blocks went, or made from a kept request whose blocks went, computes its tokens again.
 """
 from __future__ import annotations
 
@@ -59,6 +65,8 @@ class SchedulerOutput:
     # Swap preemption: block copies the runner performs before this step's forward pass.
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Copy-on-write: device block copies (source, destination), from this step's admissions of forks.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -100,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swapped out, oldest first; they come back before new requests
+        self.kept: dict[str, Request] = {}  # finished keep_kv requests, oldest first, until release()
         self.num_preemptions = 0
         self.num_swaps_out = 0
 
@@ -162,6 +171,8 @@ class Scheduler:
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, n):
+                if self.running[-1] is req and self._reclaim():
+                    continue  # rather than preempt itself
                 victim = self.running.pop()  # the youngest: not visited yet, or req itself
                 was_decode = victim.num_tokens - victim.num_computed_tokens == 1  # (recompute resets the count)
                 self._preempt(victim, out)
@@ -181,6 +192,8 @@ class Scheduler:
             req = self.swapped[0]
             n = self.fit(req.num_tokens - req.num_computed_tokens, req.num_computed_tokens, budget)
             if not self.kv.can_swap_in(req, n):
+                if not self.running and self._reclaim():
+                    continue
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(req, n))
@@ -200,6 +213,8 @@ class Scheduler:
                 break
             n = self.fit(n, start, budget)
             if not self.kv.allocate_slots(req, n, computed):
+                if not self.running and self._reclaim(but=req):
+                    continue  # (looked up again: the reclaimed blocks may have been among the cache hits)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -207,11 +222,36 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, start, n))
             budget -= self.cost(n, start)
 
+        out.copies = self.kv.take_copies()
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_tokens
             if s.start < s.request.num_prompt_tokens:
                 s.request.num_prefill_chunks += 1
         return out
+
+    def _reclaim(self, but: Request | None = None) -> bool:
+        """Free the blocks of the oldest kept request that holds any, else of the newest waiting request that holds
+        any (a fork not yet admitted) other than ``but``, which will compute its tokens again. False if none."""
+        for req in self.kept.values():
+            if req.blocks:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                return True
+        for req in reversed(self.waiting):
+            if req.blocks and req is not but:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def release(self, request_id: str) -> bool:
+        """Free a kept request's blocks (those the pool has not taken back) and forget it; False if not kept."""
+        req = self.kept.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+        return req is not None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Swap the request's KV to host memory when a host pool exists and has room; else recompute later."""
@@ -240,4 +280,7 @@ class Scheduler:
         elif not req.is_finished:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if req.keep_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.kept[req.request_id] = req  # its blocks stay, for forks, until release() or the pool needs them
+        else:
+            self.kv.free(req)

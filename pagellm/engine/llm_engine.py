@@ -137,8 +137,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raise ValueError (engine untouched) if it can never run."""
+                    cache_salt: str | None = None, keep_kv: bool = False) -> str:
+        """Validate and queue a request; raise ValueError (engine untouched) if it can never run. ``keep_kv``: when
+        it finishes (not when aborted), its blocks stay, for ``fork_request``, until ``release_kv`` or until the
+        pool needs them (Scheduler: they give way before a running request is preempted)."""
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -150,10 +152,12 @@ class LLMEngine:
         self._validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         fan_out = max(params.n, params.best_of or 1)
+        if keep_kv and fan_out > 1:
+            raise ValueError(f"keep_kv: a request with n={params.n}, best_of={params.best_of} cannot keep its K/V")
         # the ids this request takes: its own, and with n > 1 its children's (which must not be a caller's either)
         children = [f"{request_id}#{i}" for i in range(fan_out)] if fan_out > 1 else []
         for rid in [request_id, *children]:
-            if rid in self.requests or rid in self.parents or rid in self.parent_of:
+            if rid in self.requests or rid in self.parents or rid in self.parent_of or rid in self.scheduler.kept:
                 raise ValueError(f"request_id {request_id!r} is already in use" if rid == request_id else
                                  f"request_id {request_id!r}: its choice {rid!r} is already a request's id")
         if children:
@@ -163,13 +167,40 @@ class LLMEngine:
                 self._add(prompt, prompt_token_ids, kid, cid, cache_salt)
                 self.parent_of[cid] = request_id
             return request_id
-        return self._add(prompt, prompt_token_ids, params, request_id, cache_salt)
+        return self._add(prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv)
 
-    def _add(self, prompt, prompt_token_ids, params, request_id, cache_salt) -> str:
+    def fork_request(self, parent_id: str, token_ids: list[int], sampling_params: SamplingParams,
+                     request_id: str | None = None, keep_kv: bool = False) -> str:
+        """A request that continues a finished ``keep_kv`` request: its prompt is the parent's tokens but its last
+        output token (those whose K/V the parent computed), then ``token_ids``. It shares the parent's blocks, so
+        only ``token_ids`` are computed (all of its tokens if the pool took the parent's blocks back): beam search
+        extends each beam this way. One sequence, without prompt logprobs (its head is not computed)."""
+        parent = self.scheduler.kept.get(parent_id)
+        if parent is None:
+            raise ValueError(f"parent_id {parent_id!r} is not a finished request that keeps its K/V")
+        suffix = _token_ids(token_ids)
+        if not suffix:
+            raise ValueError("token_ids must not be empty (the fork computes them)")
+        if sampling_params.n > 1 or (sampling_params.best_of or 1) > 1 or sampling_params.prompt_logprobs is not None:
+            raise ValueError(f"fork_request: n={sampling_params.n}, best_of={sampling_params.best_of}, "
+                             f"prompt_logprobs={sampling_params.prompt_logprobs}: a fork is one sequence, without "
+                             f"prompt logprobs")
+        head = parent.token_at(0, parent.num_tokens - 1)
+        rid = self.add_request(None, sampling_params, head + suffix, request_id, parent.cache_salt, keep_kv)
+        if parent.blocks:
+            self.kv_manager.fork(parent, self.requests[rid])
+        return rid
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks of a finished ``keep_kv`` request and forget it; False if it is not kept."""
+        return self.scheduler.release(request_id)
+
+    def _add(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv=False) -> str:
         max_model_len = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        req = Request(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt=cache_salt)
+        req = Request(request_id, prompt, prompt_token_ids, params, max_tokens, cache_salt=cache_salt,
+                      keep_kv=keep_kv)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -261,7 +292,7 @@ class LLMEngine:
         """Start counters afresh (benchmarks call this after warm-up)."""
         self.stats = EngineStats(self.stats.num_blocks, self.stats.block_size, self.stats.kv_cache_bytes)
         self.scheduler.num_preemptions = self.scheduler.num_swaps_out = 0
-        self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
+        self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = self.kv_manager.num_copies = 0
 
     def prefault_kv_cache(self, max_bytes: int) -> bool:
         """Map up to max_bytes more of the KV cache's never-used blocks (CPU: the pool's blocks past
@@ -298,8 +329,8 @@ class LLMEngine:
             so = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.num_swaps_out = self.scheduler.num_swaps_out
-        if so.swap_out or so.swap_in:
-            self.runner.swap(so)
+        if so.swap_out or so.swap_in or so.copies:
+            self.runner.copy_blocks(so)
         if so.is_empty:
             return []
         self._record_kv_usage()
@@ -331,7 +362,8 @@ class LLMEngine:
 
     def _record_kv_usage(self) -> None:
         """Track the peak of used blocks and, at that peak, the share of allocated slots holding live tokens.
-        Empty slots are only ever at the tail of a request's last block (shared blocks are full)."""
+        Empty slots are only ever at the tail of a request's last block (shared blocks are full, but for a fork's
+        partial block, counted once per holder)."""
         used = self.kv_manager.pool.num_used_blocks
         self.stats.num_used_blocks = used
         if used > self.stats.peak_used_blocks:

@@ -55,6 +55,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the cache at the last admission
+    keep_kv: bool = False  # when it ends (but by abort), its blocks stay held for forks (LLMEngine.fork_request)
 
     # Outputs
     output_text: str = ""

@@ -81,12 +81,16 @@ class ModelRunner:
         self.mapped_blocks = min(self.kv_cache.shape[2], lo + max_blocks)
         self.kv_cache[:, :, lo:self.mapped_blocks].zero_()
 
-    def swap(self, so: SchedulerOutput) -> None:
-        """Copy blocks between device and host for this step's swap-outs and swap-ins (before any write)."""
+    def copy_blocks(self, so: SchedulerOutput) -> None:
+        """This step's block copies, before its forward pass: swap-outs (device to host), copy-on-write copies
+        (device to device: fresh destinations, sources that stay held), then swap-ins (host to device)."""
         cache, host_cache = _raw(self.kv_cache), _raw(self.host_kv_cache)
         if so.swap_out:
             dev, host = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_out))
             host_cache.index_copy_(2, host, cache.index_select(2, dev.to(self.device)).cpu())
+        if so.copies:
+            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*so.copies))
+            cache.index_copy_(2, dst, cache.index_select(2, src))
         if so.swap_in:
             host, dev = (torch.tensor(x, dtype=torch.int64) for x in zip(*so.swap_in))
             blocks = host_cache.index_select(2, host).to(self.device, non_blocking=True)

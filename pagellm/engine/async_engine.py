@@ -91,6 +91,22 @@ class AsyncLLMEngine:
         Raises ValueError (bad input) before the first output. Leaving the iteration early (client gone,
         cancellation) aborts the request in the engine, which frees its blocks at the next step.
         """
+        outputs = self.submit(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # (now, not when collected: it aborts an unfinished request)
+
+    def submit(self, prompt: str | None, sampling_params: SamplingParams, prompt_token_ids: list[int] | None = None,
+               request_id: str | None = None, cache_salt: str | None = None, keep_kv: bool = False,
+               fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+        """``generate``, but the request is queued now, in call order with other commands, and its outputs come
+        from the iterator returned. ``keep_kv`` and ``fork_of`` (a kept request's id; ``prompt_token_ids`` are then
+        the tokens the fork adds) as in LLMEngine.add_request and fork_request; ``release_kv`` frees what is kept.
+        Call from the event loop's thread. Iterate the result to its end, or close it once started, or release_kv
+        the request: one dropped unstarted neither aborts nor frees it (and release_kv of a request still being
+        iterated aborts it: its iterator then waits for nothing more)."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}")
         loop = asyncio.get_running_loop()
@@ -99,7 +115,12 @@ class AsyncLLMEngine:
             request_id = f"req-{self._ids}"
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, cache_salt, stream, accepted))
+        self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, cache_salt, stream, accepted,
+                       keep_kv, fork_of))
+        return self._outputs(request_id, stream, accepted)
+
+    async def _outputs(self, request_id: str, stream: _Stream,
+                       accepted: asyncio.Future) -> AsyncIterator[RequestOutput]:
         try:
             await accepted  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:
@@ -122,6 +143,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._command(("abort", request_id))
 
+    def release_kv(self, request_id: str) -> None:
+        """Free a kept request's blocks (LLMEngine.release_kv), or abort it if it has not finished."""
+        self._command(("release", request_id))
+
     def _command(self, cmd: tuple) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -139,16 +164,20 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, ids, salt, stream, accepted = cmd
+                _, rid, prompt, params, ids, salt, stream, accepted, keep_kv, parent = cmd
                 try:
-                    self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid, cache_salt=salt)
+                    if parent is not None:
+                        self.engine.fork_request(parent, ids, params, rid, keep_kv)
+                    else:
+                        self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid,
+                                                cache_salt=salt, keep_kv=keep_kv)
                 except Exception as e:  # bad input: tell the caller, touch nothing else
                     stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
                     continue
                 self._streams[rid] = stream
                 self.metrics.on_arrival(rid)
                 stream.loop.call_soon_threadsafe(_set_result, accepted, None)
-            elif cmd[0] == "abort":
+            elif cmd[0] == "abort" or (cmd[0] == "release" and not self.engine.release_kv(cmd[1])):
                 rid = cmd[1]
                 if self._streams.pop(rid, None) is not None and self.engine.abort_request(rid):
                     self.metrics.on_finished(rid, "abort")

@@ -174,7 +174,8 @@ class LLMEngine:
         """A request that continues a finished ``keep_kv`` request: its prompt is the parent's tokens but its last
         output token (those whose K/V the parent computed), then ``token_ids``. It shares the parent's blocks, so
         only ``token_ids`` are computed (all of its tokens if the pool took the parent's blocks back): beam search
-        extends each beam this way. One sequence, without prompt logprobs (its head is not computed)."""
+        extends each beam this way. One sequence, without prompt logprobs (its head is not computed); the parent's
+        output is the fork's prompt (presence and frequency penalties count only what the fork generates)."""
         parent = self.scheduler.kept.get(parent_id)
         if parent is None:
             raise ValueError(f"parent_id {parent_id!r} is not a finished request that keeps its K/V")

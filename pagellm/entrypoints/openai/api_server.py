@@ -135,11 +135,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             prompts = serving.completion_prompts(req)
             if not 1 <= req.n <= 16:
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
-            gen = serving.run(prompts, params, req.n, req.cache_salt)
+            gen = (serving.run_beams(prompts, req, req.cache_salt) if req.use_beam_search else
+                   serving.run(prompts, params, req.n, req.cache_salt))
             choices = serving.choices(len(prompts) * req.n, req.n, params, req.echo, req.prompt_only)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
-                return await stream_response(gen, choices, hold, completion_chunk, req)
+                return await stream_response(raw, gen, choices, hold, completion_chunk, req)
             choices = await collect(raw, gen, choices, hold)
         except ValueError as e:
             raise to_400(e) from None
@@ -162,11 +163,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             if not 1 <= req.n <= 16:
                 raise ValueError(f"n must be in [1, 16], got {req.n}")
             prompts = [(None, serving.chat_prompt(req)[1])]
-            gen = serving.run(prompts, params, req.n, req.cache_salt)
+            gen = (serving.run_beams(prompts, req, req.cache_salt) if req.use_beam_search else
+                   serving.run(prompts, params, req.n, req.cache_salt))
             choices = serving.choices(req.n, req.n, params)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if req.stream:
-                return await stream_response(gen, choices, hold, chat_chunk, req)
+                return await stream_response(raw, gen, choices, hold, chat_chunk, req)
             choices = await collect(raw, gen, choices, hold)
         except ValueError as e:
             raise to_400(e) from None
@@ -219,9 +221,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                 "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}]}
 
-    async def stream_response(gen, choices: list[_Choice], hold: int, make_chunk, req) -> StreamingResponse:
-        # Wait for the first output so a bad request still gets a proper 400 instead of a 200 stream.
-        first = await gen.__anext__()
+    async def stream_response(raw: Request, gen, choices: list[_Choice], hold: int, make_chunk,
+                              req) -> StreamingResponse:
+        # Wait for the first output so a bad request still gets a proper 400 instead of a 200 stream; a client that
+        # leaves meanwhile (a beam search's first output comes when it ends) has its requests aborted.
+        task = asyncio.ensure_future(gen.__anext__())
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()  # (inside gen: its requests are aborted)
+                await asyncio.wait([task])
+                raise APIError(499, "client disconnected")
+        first = task.result()
         rid = f"{'chatcmpl' if make_chunk is chat_chunk else 'cmpl'}-{_id()}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagellm.entrypoints.beam_search import BeamSearchParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -40,6 +41,34 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    # vLLM's beam search: n beams, their n best sequences as the choices (entrypoints/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def _beam_search_params(self, max_tokens: int | None, logprobs: int | None, prompt_len: int,
+                            max_model_len: int) -> BeamSearchParams:
+        """use_beam_search: greedy beams; a field that would change the output, which beam search does not take, is
+        refused. max_tokens None: up to max_model_len."""
+        if max_tokens is None:
+            if prompt_len >= max_model_len:
+                raise ValueError(f"prompt has {prompt_len} tokens, but max_model_len is {max_model_len}: the prompt "
+                                 f"plus at least one generated token must fit")
+            max_tokens = max_model_len - prompt_len
+        unsupported = {"logprobs": logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+                       "temperature": self.temperature not in (None, 0), "top_p": self.top_p not in (None, 1),
+                       "top_k": self.top_k not in (None, 0, -1), "min_p": self.min_p not in (None, 0),
+                       "stop": bool(self.stop), "stop_token_ids": bool(self.stop_token_ids),
+                       "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
+                       "repetition_penalty": self.repetition_penalty not in (None, 1),
+                       "logit_bias": bool(self.logit_bias), "min_tokens": self.min_tokens != 0}
+        if bad := [name for name, given in unsupported.items() if given]:
+            others = f" (nor can {', '.join(bad[1:])})" if len(bad) > 1 else ""
+            raise ValueError(f"{bad[0]} cannot be used with use_beam_search{others}")
+        if not 1 <= self.n <= 10:
+            raise ValueError(f"n must be in [1, 10] with use_beam_search (the beam width), got {self.n}")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -84,6 +113,11 @@ class CompletionRequest(_SamplingFields):
         max_tokens = 1 if self.prompt_only else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
+    def beam_search_params(self, prompt_len: int, max_model_len: int) -> BeamSearchParams:
+        if self.echo:
+            raise ValueError("echo cannot be used with use_beam_search")
+        return self._beam_search_params(self.max_tokens, self.logprobs, prompt_len, max_model_len)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -121,6 +155,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+    def beam_search_params(self, prompt_len: int, max_model_len: int) -> BeamSearchParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._beam_search_params(max_tokens, 0 if self.logprobs else None, prompt_len, max_model_len)
 
 
 class GenerateRequest(BaseModel):

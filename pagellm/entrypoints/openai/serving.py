@@ -1,4 +1,5 @@
-"""Completions and chat completions: one engine request per choice, streamed or collected."""
+"""Completions and chat completions: one engine request per choice, streamed or collected (with use_beam_search, a
+beam search per prompt whose best sequences are its choices)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.beam_search import beam_search_async
 from pagellm.entrypoints.chat_utils import render_chat
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams, offset_seed
 
 
@@ -134,6 +136,23 @@ class OpenAIServing:
             for g in gens:
                 if not g.ag_running:
                     await g.aclose()
+
+    async def run_beams(self, prompts, req, cache_salt: str | None = None
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """use_beam_search: the prompts' beam searches (req.n beams), in step, beside the engine's other requests;
+        yields each prompt's n best sequences as its n choices, finished, once the searches end."""
+        tok, engine = self.engine.tokenizer, self.engine.engine
+        ids = [p_ids if p_ids is not None else tok.encode(text) for text, p_ids in prompts]
+        params = [req.beam_search_params(len(p), engine.config.max_model_len) for p in ids]  # (all checked first)
+        results = await beam_search_async(self.engine, ids, params, cache_salt)
+        for k, ((text, _), p, bp, res) in enumerate(zip(prompts, ids, params, results)):
+            eos = set() if bp.ignore_eos else engine.eos_token_ids
+            for j, seq in enumerate(res.sequences):
+                gen = seq.tokens[len(p):]
+                finish = "stop" if gen and gen[-1] in eos else "length"
+                out = CompletionOutput(0, tok.decode(gen, skip_special_tokens=req.skip_special_tokens), gen,
+                                       seq.cum_logprob, None, finish, None)
+                yield k * bp.beam_width + j, RequestOutput(_rid(), text, p, [out], True, {})
 
     # ------------------------------------------------------------------ responses
     def update(self, choice: _Choice, out: RequestOutput, hold: int) -> None:

@@ -148,8 +148,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; give prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = _token_ids(prompt_token_ids)
-        self._validate(prompt_token_ids, params)
+        return self._queue(prompt, _token_ids(prompt_token_ids), params, request_id, cache_salt, keep_kv)
+
+    def _queue(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv, checked: int = 0) -> str:
+        """add_request past tokenizing; the first ``checked`` tokens are known ids of the vocabulary (a fork's)."""
+        self._validate(prompt_token_ids, params, checked)
         request_id = request_id if request_id is not None else str(next(self._ids))
         fan_out = max(params.n, params.best_of or 1)
         if keep_kv and fan_out > 1:
@@ -187,7 +190,7 @@ class LLMEngine:
                              f"prompt_logprobs={sampling_params.prompt_logprobs}: a fork is one sequence, without "
                              f"prompt logprobs")
         head = parent.token_at(0, parent.num_tokens - 1)
-        rid = self.add_request(None, sampling_params, head + suffix, request_id, parent.cache_salt, keep_kv)
+        rid = self._queue(None, head + suffix, sampling_params, request_id, parent.cache_salt, keep_kv, len(head))
         if parent.blocks:
             self.kv_manager.fork(parent, self.requests[rid])
         return rid
@@ -211,10 +214,10 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return request_id
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams, checked: int = 0) -> None:
         if not ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in ids[checked:] if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):

@@ -3,9 +3,10 @@ partial last one copied on write, and computes only its new tokens.
 
 * On a tiny random-weight model in fp32: forks generate what a fresh request with the same tokens generates,
   two forks of one parent writing into its partial block included; the pool is whole after release.
-* A property test of the scheduler and KV cache manager alone with forks, prefix caching and both preemption
-  modes: a model of the cache's contents (what each block slot holds, copies and swaps applied as the runner
-  applies them) must hold every request's computed tokens at their positions after every step.
+* A property test of the scheduler and KV cache manager alone with forks, followers (a request that takes the
+  prompt K/V of another with the same prompt: parallel sampling), prefix caching and both preemption modes: a model
+  of the cache's contents (what each block slot holds, copies and swaps applied as the runner applies them) must
+  hold every request's computed tokens at their positions after every step.
 """
 from __future__ import annotations
 
@@ -184,6 +185,7 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
     live: list[Request] = []
     kept = sched.kept  # finished keep_kv requests (the scheduler's)
     ids = iter(range(10**6))
+    tokens_of: dict[bytes, list[int]] = {}  # a block hash -> the tokens it stands for (from the requests' hashes)
 
     def new_request(prompt, keep) -> Request | None:
         mt = data.draw(st.integers(1, 6))
@@ -198,6 +200,8 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
         cache.apply(out)
         for s in out.scheduled:
             r = s.request
+            for i, h in enumerate(r.block_hashes):
+                tokens_of.setdefault(h, r.token_at(i * block_size, (i + 1) * block_size))
             if s.samples:
                 r.output_token_ids.append(100 + (int(r.request_id) * 7 + r.num_tokens) % 13)
                 if r.num_output_tokens >= r.max_tokens:
@@ -206,6 +210,8 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
                     assert (r.request_id in kept) == r.keep_kv
         for r in live + list(kept.values()):
             cache.check(r)
+        for h, b in kv.pool.cached.items():  # a block the prefix cache lists holds what its hash stands for
+            assert cache.dev[b.block_id] == tokens_of[h], (b, tokens_of[h])
         refs: dict[int, int] = {}
         for r in live + list(kept.values()):
             for b in r.blocks:
@@ -214,7 +220,8 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
         return len(out.scheduled)
 
     for _ in range(data.draw(st.integers(5, 50))):
-        action = data.draw(st.sampled_from(["add", "fork", "fork", "step", "step", "step", "release", "abort"]))
+        action = data.draw(st.sampled_from(["add", "fork", "fork", "follow", "step", "step", "step", "release",
+                                            "abort"]))
         if action == "add":
             base = data.draw(st.sampled_from([[1] * 30, list(range(3, 33))]))
             req = new_request(base[:data.draw(st.integers(1, 30))], data.draw(st.booleans()))
@@ -230,6 +237,12 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
                     kv.fork(parent, child)
                 sched.add_request(child)
                 cache.check(child)
+        elif action == "follow" and live:
+            lead = data.draw(st.sampled_from(live))  # (prefilling, generating, waiting, or a follower itself)
+            req = new_request(list(lead.prompt_token_ids), data.draw(st.booleans()))
+            if req is not None:
+                sched.add_request(req, lead)
+                cache.check(req)
         elif action == "release" and kept:
             assert sched.release(data.draw(st.sampled_from(list(kept))))
         elif action == "abort" and live:
@@ -243,6 +256,7 @@ def test_forks_keep_every_request_s_tokens_in_place(data, num_blocks, block_size
     for rid in list(kept):
         assert sched.release(rid)
     assert kv.pool.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not sched.followers and not sched._lead_of
     if kv.host_pool is not None:
         assert kv.host_pool.num_free_blocks == host_blocks
 
@@ -279,3 +293,63 @@ def test_waiting_forks_give_their_blocks_back_when_nothing_else_can_run():
     cache.apply(out)
     for f in forks:
         cache.check(f)
+
+
+def _finish(sched: Scheduler, req: Request) -> None:
+    req.output_token_ids.append(99)
+    sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+
+
+def test_a_follower_copies_a_cached_block_it_holds_alone():
+    """A follower added after its lead decoded past the prompt's last block shares that block partly filled, while
+    the lead filled it and the prefix cache lists it; the lead gone, the follower is its last holder and must still
+    copy it before writing, or the cache would hand out its K/V under the lead's hash."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    cache = CacheModel(kv)
+    prompt = [1, 2, 3, 4, 5, 6]
+    lead = Request("lead", None, prompt, SamplingParams(max_tokens=8), 8)
+    sched.add_request(lead)
+    while lead.num_computed_tokens < 9:  # block 1 holds [5, 6, 100, 101]: full, cached
+        cache.apply(sched.schedule())
+        lead.output_token_ids.append(100 + lead.num_output_tokens)
+    follower = Request("f", None, list(prompt), SamplingParams(max_tokens=2), 2)
+    sched.add_request(follower, lead)  # the lead has sampled: forks 5 tokens at once
+    assert follower.num_computed_tokens == 5 and follower.blocks[1] is lead.blocks[1]
+    sched.finish_request(lead, RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()
+    assert len(out.copies) == 1  # the follower's copy of block 1
+    cache.apply(out)
+    follower.output_token_ids.append(200)
+    cache.apply(sched.schedule())  # it writes 200 at position 6: into its copy, not the cached block
+    cache.check(follower)
+    hit = kv.get_computed_blocks(Request("x", None, prompt + [100, 101, 7], SamplingParams(max_tokens=1), 1))
+    assert len(hit) == 2 and cache.dev[hit[1].block_id] == [5, 6, 100, 101]
+
+
+def test_a_waiting_fork_that_frees_blocks_gives_way_before_a_follower():
+    """Under pressure a waiting fork that is its blocks' last holder gives them back first; a follower, whose blocks
+    its running lead holds too, would give nothing back and lose its prompt."""
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    cache = CacheModel(kv)
+    parent = Request("p", None, [3, 4, 5, 6, 7], SamplingParams(max_tokens=1), 1, keep_kv=True)
+    sched.add_request(parent)
+    cache.apply(sched.schedule())
+    _finish(sched, parent)
+    lead = Request("lead", None, list(range(10, 18)), SamplingParams(max_tokens=4), 4)  # 2 full blocks
+    sched.add_request(lead)
+    cache.apply(sched.schedule())
+    fork = Request("g", None, parent.token_at(0, 5) + [50], SamplingParams(max_tokens=1), 1)
+    kv.fork(parent, fork)
+    sched.add_request(fork)
+    assert sched.release("p")  # the fork holds the parent's 2 blocks alone: the pool is full
+    follower = Request("f", None, list(range(10, 18)), SamplingParams(max_tokens=4), 4)
+    sched.add_request(follower, lead)
+    lead.output_token_ids.append(1)
+    out = sched.schedule()  # the follower forks 7 tokens; the lead needs a third block
+    assert [s.request for s in out.scheduled] == [lead] and list(sched.waiting) == [fork, follower]
+    assert not fork.blocks and follower.num_computed_tokens == 7 and len(follower.blocks) == 2
+    cache.apply(out)
+    for r in (lead, follower):
+        cache.check(r)

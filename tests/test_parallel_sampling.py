@@ -1,4 +1,5 @@
-"""n > 1 and best_of: samples share the prompt's blocks; best_of keeps the most likely samples."""
+"""n > 1 and best_of: samples share the prompt's blocks and its computation (the first sample computes the prompt,
+the others follow it: Scheduler's followers); best_of keeps the most likely samples."""
 from __future__ import annotations
 
 import random
@@ -34,8 +35,9 @@ def test_n8_of_a_long_prompt_shares_its_blocks(tiny):
     assert eight < 1.5 * one, (one, eight)
 
 
-def test_n_samples_are_reproducible_and_match_single_seeded_requests(tiny):
-    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB")
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_samples_are_reproducible_and_match_single_seeded_requests(tiny, caching):
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB", enable_prefix_caching=caching)
     prompt = {"prompt_token_ids": list(range(20, 60))}
     out = llm.generate(prompt, SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=10), use_tqdm=False)[0]
     singles = [llm.generate(prompt, SamplingParams(temperature=0.9, seed=11 + i, max_tokens=10),
@@ -116,3 +118,113 @@ def test_a_finished_choices_id_stays_taken_until_its_request_ends(tiny):
     assert engine.abort_request("p#0")  # the request, by its finished choice's id: its other choice stops too
     assert not engine.has_unfinished_requests()
     assert pool_is_whole(llm) and not engine.parents and not engine.parent_of and not engine.requests
+
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _drain(engine) -> dict[str, list[list[int]]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    return done
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("prompt_len", [47, 48, 49])  # the shared tokens end inside a block, or at its end
+def test_samples_compute_the_prompt_once(tiny, caching, prompt_len):
+    """Greedy samples are the greedy run; the prompt is computed once, plus its last token per further sample, and
+    the samples hold one copy of the prompt's full blocks, with or without prefix caching."""
+    llm = LLM(model=tiny, dtype="float32", block_size=16, kv_cache_memory="32MiB", enable_prefix_caching=caching)
+    engine = llm.llm_engine
+    prompt = [(i * 31 + 7) % 400 + 3 for i in range(prompt_len)]
+    rid = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(20, n=4))
+    samples = _drain(engine)[rid]
+    assert engine.stats.prompt_tokens_computed == prompt_len + 3
+    full, partial = divmod(prompt_len - 1, 16)  # the blocks the samples share: the followers copy a partial one
+    assert engine.kv_manager.num_copies == (3 if partial else 0)
+    # each sample's own blocks hold its K/V past the shared blocks (prompt + 19 tokens at its end)
+    assert engine.kv_manager.pool.peak_used == full + 4 * -(-(prompt_len + 19 - 16 * full) // 16)
+    assert pool_is_whole(llm) and not engine.scheduler.followers
+    single = llm.generate({"prompt_token_ids": prompt}, _greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    assert samples == [single] * 4
+
+
+def test_samples_follow_a_first_one_that_stops_at_once(tiny):
+    """Choice 0 ends with its first token (its blocks are freed in that step): the others still take its prompt."""
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory="32MiB", enable_prefix_caching=False)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=12, stop_token_ids=list(range(256)))
+    singles = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=12,
+                                                   stop_token_ids=list(range(256))), use_tqdm=False)[0]
+               for i in range(3)]
+    singles = [o.outputs[0].token_ids for o in singles]
+    assert len(singles[0]) == 1 and len(singles[1]) > 1  # (seeded: choice 0 stops after 1 token)
+    engine.reset_stats()
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert engine.stats.prompt_tokens_computed == 40 + 2
+    assert pool_is_whole(llm)
+
+
+def test_share_prompt_with(tiny):
+    """The engine's hint: a follower takes its lead's prompt K/V (added while the lead prefills, or after it has
+    sampled), takes what an aborted lead computed, and runs on its own where the hint does not apply."""
+    llm = LLM(model=tiny, dtype="float32", block_size=16, kv_cache_memory="32MiB", enable_prefix_caching=False,
+              max_num_batched_tokens=64, enable_chunked_prefill=True)
+    engine = llm.llm_engine
+    prompt = [(i * 13 + 5) % 300 + 3 for i in range(150)]
+    single = llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+
+    def run(steps_between=0, abort_lead_after=None) -> int:
+        """A lead and its follower; the prompt tokens computed."""
+        before = engine.stats.prompt_tokens_computed
+        lead = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8))
+        for _ in range(steps_between):
+            engine.step()
+        follower = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8), share_prompt_with=lead)
+        for _ in range(abort_lead_after or 0):
+            engine.step()
+        if abort_lead_after is not None:
+            assert 0 < engine.requests[lead].num_computed_tokens < 150  # (k, 150 - k above)
+            assert engine.abort_request(lead)
+        done = _drain(engine)
+        assert done[follower] == [single] and (abort_lead_after is not None or done[lead] == [single])
+        assert pool_is_whole(llm) and not engine.scheduler.followers
+        return engine.stats.prompt_tokens_computed - before
+
+    assert run() == 150 + 1
+    assert run(steps_between=4) == 150 + 1  # the lead has sampled: the follower forks at once
+    # the lead is aborted after its first chunk (of k tokens): the follower takes those and computes the others
+    assert run(abort_lead_after=1) == 150
+    # a waiting follower aborted: the lead runs on
+    before = engine.stats.prompt_tokens_computed
+    lead = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8))
+    follower = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8), share_prompt_with=lead)
+    engine.step()
+    assert engine.abort_request(follower) and not engine.scheduler.followers
+    assert _drain(engine) == {lead: [single]} and engine.stats.prompt_tokens_computed - before == 150
+    # where the hint does not apply: another prompt, another cache salt, prompt logprobs, an unknown lead
+    before = engine.stats.prompt_tokens_computed
+    lead = engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8))
+    other = engine.add_request(prompt_token_ids=prompt[:-1] + [9], sampling_params=_greedy(8),
+                               share_prompt_with=lead)
+    kw = dict(prompt_token_ids=prompt, share_prompt_with=lead)
+    alone = [engine.add_request(sampling_params=_greedy(8), cache_salt="x", **kw),
+             engine.add_request(sampling_params=_greedy(8, prompt_logprobs=0), **kw),
+             engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8), share_prompt_with="nobody")]
+    assert not engine.scheduler.followers
+    done = _drain(engine)
+    assert all(done[r] == [single] for r in [lead, *alone]) and len(done[other][0]) == 8
+    assert engine.stats.prompt_tokens_computed - before == 5 * 150
+    # nor does a request's own id (or, with n > 1, its first choice's): it would wait for itself
+    engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8), request_id="me", share_prompt_with="me")
+    engine.add_request(prompt_token_ids=prompt, sampling_params=_greedy(8, n=2), request_id="us",
+                       share_prompt_with="us#0")
+    assert _drain(engine) == {"me": [single], "us": [single] * 2}
+    assert pool_is_whole(llm)

@@ -10,11 +10,13 @@ token prefixes sharing a block) practically impossible, so a hit is an exact mat
 longest run of cached blocks that match its tokens, but never all of them: at least the last token is computed,
 so the step that admits it produces logits. Full blocks are registered when they are scheduled to be filled.
 
-Forks (beam search): a request can start from another's computed tokens (``fork``). It takes a reference on each
-of the parent's blocks, the last, partial one included, and computes only what it adds. The first sequence to write
-into a partial block that others also hold gets its own copy first (copy-on-write, in ``allocate_slots``): the copy
-is queued in ``copies`` for the runner, which performs it before the step's forward pass. Only a fork shares a
-partial block; the prefix cache shares full blocks, which no one writes.
+Forks (beam search, parallel sampling): a request can start from another's computed tokens (``fork``). It takes a
+reference on each of the parent's blocks, the last, partial one included, and computes only what it adds. The
+first sequence to write into a partial block that others also hold gets its own copy first (copy-on-write, in
+``allocate_slots``): the copy is queued in ``copies`` for the runner, which performs it before the step's forward
+pass. Only a fork shares a partial block; the prefix cache shares full blocks, which no one writes. (A fork of
+fewer tokens than its parent computed can hold, as its partial block, one that the parent filled and the cache
+lists: it copies that one too, even as its only holder.)
 """
 from __future__ import annotations
 
@@ -115,17 +117,21 @@ class KVCacheManager:
         return True
 
     def _shared_partial(self, request: Request) -> int | None:
-        """Index of the request's partly filled last block when another sequence holds it too, else None."""
+        """Index of the request's partly filled last block when another sequence holds it too, or when the prefix
+        cache lists it (another sequence filled it: a fork of fewer tokens than its parent computed, whose parent
+        has gone), else None: writing into it in place would change what others read."""
         i, filled = divmod(request.num_computed_tokens, self.block_size)
-        if filled and i < len(request.blocks) and request.blocks[i].ref_cnt > 1:
+        if filled and i < len(request.blocks) and (request.blocks[i].ref_cnt > 1
+                                                    or request.blocks[i].block_hash is not None):
             return i
         return None
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Start ``child`` from ``parent``'s computed tokens, which must be the head of the child's tokens: the
-        child takes a reference on the blocks holding them (the partial last one included, copied on write) and
-        counts them as computed."""
-        n = parent.num_computed_tokens
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
+        """Start ``child`` from ``parent``'s computed tokens (the first ``num_tokens`` of them), which must be the
+        head of the child's tokens: the child takes a reference on the blocks holding them (the partial last one
+        included, copied on write) and counts them as computed."""
+        n = parent.num_computed_tokens if num_tokens is None else num_tokens
+        assert n <= parent.num_computed_tokens
         assert child.num_tokens > n, "a fork computes at least one token of its own"
         blocks = parent.blocks[:self.blocks_needed(n)]
         self.pool.incref(blocks)

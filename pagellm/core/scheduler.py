@@ -34,6 +34,14 @@ LLMEngine.fork_request), and a fork's while it waits. They give way under pressu
 only go on by preempting itself, or nothing runs and the head of the queue does not fit, the oldest kept
 request's blocks are freed first, then the newest waiting fork's, one at a time until the request fits. A fork
 whose blocks went, or made from a kept request whose blocks went, computes its tokens again.
+
+Followers (parallel sampling: n > 1, best_of, and the server's choices): a request added with a ``lead``, a
+request with the same prompt that has not sampled yet, waits outside the queue until the lead has computed the
+prompt (it has sampled, or it ends; added after the lead has sampled, it does not wait). It then forks the lead's
+blocks, all but its last prompt token's, and joins the queue in arrival order: it computes one token (for its own
+logits) where it would compute its prompt, and holds only its own copy of the last, partial block (copied on
+write) where it would hold the whole prompt's. Under pressure a waiting fork that is a block's last holder gives
+its blocks back before one whose blocks are all held by others too (a follower's, beside its running lead).
 """
 from __future__ import annotations
 
@@ -109,6 +117,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swapped out, oldest first; they come back before new requests
         self.kept: dict[str, Request] = {}  # finished keep_kv requests, oldest first, until release()
+        self.followers: dict[Request, list[Request]] = {}  # lead -> requests waiting for its prompt's K/V
+        self._lead_of: dict[Request, Request] = {}
         self.num_preemptions = 0
         self.num_swaps_out = 0
 
@@ -144,15 +154,47 @@ class Scheduler:
             n -= 1
         return max(n, 1)  # budget >= 1 pays for one token (cost(1) == 1)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, lead: Request | None = None) -> None:
+        """Queue a request (between steps). ``lead``: an unfinished request whose prompt and cache salt are this
+        one's (the caller checks); this one follows it (module docstring), at once if the lead has sampled."""
         request.status = RequestStatus.WAITING
+        if lead is not None and not lead.is_finished:
+            if not lead.num_output_tokens:
+                self.followers.setdefault(lead, []).append(request)
+                self._lead_of[request] = lead
+                return
+            self._share_prompt(lead, request)
         self.waiting.append(request)
 
+    def _share_prompt(self, lead: Request, request: Request) -> None:
+        """Fork what ``lead``'s device blocks hold of ``request``'s prompt, but its last token."""
+        n = min(lead.num_computed_tokens, request.num_prompt_tokens - 1)
+        if lead.blocks and n > 0 and not request.blocks:
+            self.kv.fork(lead, request, n)
+            request.num_cached_prompt_tokens = n
+
+    def _release_followers(self, lead: Request) -> None:
+        """The lead has sampled or ends: its followers take what it computed and join the queue, in arrival
+        order (behind the preempted requests that arrived before them, ahead of those that came after)."""
+        for req in self.followers.pop(lead):
+            del self._lead_of[req]
+            self._share_prompt(lead, req)
+            i = next((i for i, w in enumerate(self.waiting) if w.arrival_time > req.arrival_time), len(self.waiting))
+            self.waiting.insert(i, req)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: the queue and the followers still waiting for their lead."""
+        return len(self.waiting) + len(self._lead_of)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.followers)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.followers:  # leads that sampled in the last step: their prompts' K/V are in their blocks now
+            for lead in [lead for lead in self.followers if lead.num_output_tokens]:
+                self._release_followers(lead)
         budget = float(self.max_num_batched_tokens)
 
         # 1. Running requests, oldest first: a decode takes one token, a prefill chunk what fits after keeping one
@@ -231,20 +273,23 @@ class Scheduler:
 
     def _reclaim(self, but: Request | None = None) -> bool:
         """Free the blocks of the oldest kept request that holds any, else of the newest waiting request that holds
-        any (a fork not yet admitted) other than ``but``, which will compute its tokens again. False if none."""
+        any (a fork not yet admitted) other than ``but``, which will compute its tokens again; among those, first
+        one that is the last holder of a block (a follower's blocks are mostly still its running lead's: freeing
+        them gives nothing back). False if none."""
         for req in self.kept.values():
             if req.blocks:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 return True
-        for req in reversed(self.waiting):
-            if req.blocks and req is not but:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                self.num_preemptions += 1
-                return True
-        return False
+        holders = [r for r in reversed(self.waiting) if r.blocks and r is not but]
+        if not holders:
+            return False
+        req = min(holders, key=lambda r: all(b.ref_cnt > 1 for b in r.blocks))  # (the newest such)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     def release(self, request_id: str) -> bool:
         """Free a kept request's blocks (those the pool has not taken back) and forget it; False if not kept."""
@@ -272,11 +317,18 @@ class Scheduler:
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort): leave the queues and free its blocks at once."""
         assert status.finished
+        if req in self.followers:  # (before its blocks go: they hold what it computed of its followers' prompt)
+            self._release_followers(req)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
             self.kv.free_host(req)
+        elif req in self._lead_of:
+            lead = self._lead_of.pop(req)
+            self.followers[lead].remove(req)
+            if not self.followers[lead]:
+                del self.followers[lead]
         elif not req.is_finished:
             self.waiting.remove(req)
         req.status = status

@@ -85,13 +85,16 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ asyncio side
     async def generate(self, prompt: str | None, sampling_params: SamplingParams,
                        prompt_token_ids: list[int] | None = None, request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as tokens arrive; the last one has ``finished=True``.
 
         Raises ValueError (bad input) before the first output. Leaving the iteration early (client gone,
         cancellation) aborts the request in the engine, which frees its blocks at the next step.
+        ``share_prompt_with``: as in LLMEngine.add_request.
         """
-        outputs = self.submit(prompt, sampling_params, prompt_token_ids, request_id, cache_salt)
+        outputs = self.submit(prompt, sampling_params, prompt_token_ids, request_id, cache_salt,
+                              share_prompt_with=share_prompt_with)
         try:
             async for out in outputs:
                 yield out
@@ -100,7 +103,7 @@ class AsyncLLMEngine:
 
     def submit(self, prompt: str | None, sampling_params: SamplingParams, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, cache_salt: str | None = None, keep_kv: bool = False,
-               fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+               fork_of: str | None = None, share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """``generate``, but the request is queued now, in call order with other commands, and its outputs come
         from the iterator returned. ``keep_kv`` and ``fork_of`` (a kept request's id; ``prompt_token_ids`` are then
         the tokens the fork adds) as in LLMEngine.add_request and fork_request; ``release_kv`` frees what is kept.
@@ -116,7 +119,7 @@ class AsyncLLMEngine:
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
         self._command(("add", request_id, prompt, sampling_params, prompt_token_ids, cache_salt, stream, accepted,
-                       keep_kv, fork_of))
+                       keep_kv, fork_of, share_prompt_with))
         return self._outputs(request_id, stream, accepted)
 
     async def _outputs(self, request_id: str, stream: _Stream,
@@ -164,13 +167,13 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, ids, salt, stream, accepted, keep_kv, parent = cmd
+                _, rid, prompt, params, ids, salt, stream, accepted, keep_kv, parent, lead = cmd
                 try:
                     if parent is not None:
                         self.engine.fork_request(parent, ids, params, rid, keep_kv)
                     else:
                         self.engine.add_request(prompt, params, prompt_token_ids=ids, request_id=rid,
-                                                cache_salt=salt, keep_kv=keep_kv)
+                                                cache_salt=salt, keep_kv=keep_kv, share_prompt_with=lead)
                 except Exception as e:  # bad input: tell the caller, touch nothing else
                     stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
                     continue

@@ -23,7 +23,7 @@ from pagellm.config import EngineConfig, default_kv_cache_memory, default_num_th
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.parallel_sampling import ParentRequest, child_params
+from pagellm.engine.parallel_sampling import ParentRequest, child_params, merge_children
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.model_executor.layers.attention import preload_cpu_ops, select_backend
 from pagellm.model_executor.loader import checkpoint_dtype_of, load_checkpoint
@@ -137,10 +137,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
-                    cache_salt: str | None = None, keep_kv: bool = False) -> str:
+                    cache_salt: str | None = None, keep_kv: bool = False,
+                    share_prompt_with: str | None = None) -> str:
         """Validate and queue a request; raise ValueError (engine untouched) if it can never run. ``keep_kv``: when
         it finishes (not when aborted), its blocks stay, for ``fork_request``, until ``release_kv`` or until the
-        pool needs them (Scheduler: they give way before a running request is preempted)."""
+        pool needs them (Scheduler: they give way before a running request is preempted). ``share_prompt_with``: the
+        id of a request with the same prompt (another sample of it, as the server's choices are): if it is
+        unfinished, with the same cache salt, this one takes the K/V it computes for the prompt (Scheduler:
+        followers) rather than computing them; otherwise this one runs on its own."""
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -148,9 +152,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; give prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        return self._queue(prompt, _token_ids(prompt_token_ids), params, request_id, cache_salt, keep_kv)
+        return self._queue(prompt, _token_ids(prompt_token_ids), params, request_id, cache_salt, keep_kv,
+                           lead=share_prompt_with)
 
-    def _queue(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv, checked: int = 0) -> str:
+    def _queue(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv, checked: int = 0,
+               lead: str | None = None) -> str:
         """add_request past tokenizing; the first ``checked`` tokens are known ids of the vocabulary (a fork's)."""
         self._validate(prompt_token_ids, params, checked)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -166,11 +172,11 @@ class LLMEngine:
         if children:
             kids = [child_params(params, i) for i in range(fan_out)]  # (validated with params: cannot fail)
             self.parents[request_id] = ParentRequest(request_id, params, children)
-            for cid, kid in zip(children, kids):
-                self._add(prompt, prompt_token_ids, kid, cid, cache_salt)
+            for i, (cid, kid) in enumerate(zip(children, kids)):  # the first computes the prompt for all
+                self._add(prompt, prompt_token_ids, kid, cid, cache_salt, lead=children[0] if i else lead)
                 self.parent_of[cid] = request_id
             return request_id
-        return self._add(prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv)
+        return self._add(prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv, lead)
 
     def fork_request(self, parent_id: str, token_ids: list[int], sampling_params: SamplingParams,
                      request_id: str | None = None, keep_kv: bool = False) -> str:
@@ -199,7 +205,8 @@ class LLMEngine:
         """Free the blocks of a finished ``keep_kv`` request and forget it; False if it is not kept."""
         return self.scheduler.release(request_id)
 
-    def _add(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv=False) -> str:
+    def _add(self, prompt, prompt_token_ids, params, request_id, cache_salt, keep_kv=False,
+             lead: str | None = None) -> str:
         max_model_len = self.config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -211,8 +218,17 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                      params.stop, params.include_stop_str_in_output)
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req, self._lead(lead, req))
         return request_id
+
+    def _lead(self, lead_id: str | None, req: Request) -> Request | None:
+        """The request whose prompt K/V ``req`` can take (share_prompt_with), or None."""
+        lead = self.requests.get(lead_id) if lead_id is not None else None
+        if (lead is None or lead is req or lead.is_finished or lead.cache_salt != req.cache_salt
+                or req.sampling_params.prompt_logprobs is not None  # (its prompt's logits are computed)
+                or lead.prompt_token_ids != req.prompt_token_ids):
+            return None
+        return lead
 
     def _validate(self, ids: list[int], params: SamplingParams, checked: int = 0) -> None:
         if not ids:
@@ -347,22 +363,7 @@ class LLMEngine:
                 self._record_prompt_logprobs(prompt_lp)
             outputs = self._update(reqs, sampled) if reqs else []
         self.stats.num_used_blocks = self.kv_manager.pool.num_used_blocks
-        return self._merge_children(outputs) if self.parent_of else outputs
-
-    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Children of an n > 1 request report only through their parent, once all have finished."""
-        merged = []
-        for out in outputs:
-            pid = self.parent_of.get(out.request_id)
-            if pid is None:
-                merged.append(out)
-            elif out.finished:
-                done = self.parents[pid].add(out)
-                if done is not None:  # (a child's id stays taken until its parent is done)
-                    for c in self.parents.pop(pid).child_ids:
-                        del self.parent_of[c]
-                    merged.append(done)
-        return merged
+        return merge_children(outputs, self.parents, self.parent_of) if self.parent_of else outputs
 
     def _record_kv_usage(self) -> None:
         """Track the peak of used blocks and, at that peak, the share of allocated slots holding live tokens.

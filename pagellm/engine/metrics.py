@@ -88,7 +88,7 @@ class EngineMetrics:
     def update_gauges(self) -> None:
         sched = self.engine.scheduler
         self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
+        self.waiting.set(sched.num_waiting)
         self._max_running = max(self._max_running, len(sched.running))
         self.kv_usage.set(self.engine.kv_manager.usage())
         total = sched.num_preemptions
@@ -105,7 +105,7 @@ class EngineMetrics:
         sched = self.engine.scheduler
         line = (f"prompt throughput: {self._win_prompt / window_s:.1f} tok/s, generation throughput: "
                 f"{self._win_gen / window_s:.1f} tok/s, running: {len(sched.running)}, waiting: "
-                f"{len(sched.waiting)}, KV cache usage: {100 * self.engine.kv_manager.usage():.1f}%, "
+                f"{sched.num_waiting}, KV cache usage: {100 * self.engine.kv_manager.usage():.1f}%, "
                 f"preemptions: {sched.num_preemptions}, prefix cache hit rate: "
                 f"{100 * self.engine.kv_manager.prefix_hit_rate:.1f}%")
         self._win_prompt = self._win_gen = 0

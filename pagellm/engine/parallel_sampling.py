@@ -1,10 +1,10 @@
 """n > 1 and best_of: a parent request fans out into child requests that share the prompt's KV blocks.
 
-Sharing comes from the prefix cache (as in vLLM v1): the first child's full prompt blocks are registered as soon
-as they are scheduled, and every sibling admitted after it finds them, takes a reference, and computes only its
-last, partial prompt block. So n samples of a long prompt cost one prompt's blocks plus one private tail block
-per sample, and no block is ever written by two sequences (no copy-on-write needed). Without prefix caching the
-children simply run independently.
+The first child computes the prompt; the others follow it (Scheduler: followers): they wait until it has sampled,
+then fork its blocks, copy-on-write, and each computes only the prompt's last token, for its own logits. So n
+samples of a long prompt cost one prompt's blocks plus one private tail block per sample, and one prompt's
+computation plus n - 1 tokens, with or without prefix caching. The other samples start a step after the first
+has computed the prompt (its last chunk, with chunked prefill).
 
 best_of > n: all best_of children run; the n with the highest cumulative logprob are returned.
 """
@@ -52,3 +52,21 @@ class ParentRequest:
         metrics = {"num_cached_tokens": sum(c.metrics.get("num_cached_tokens", 0) for c in children)}
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs, True, metrics,
                              first.prompt_logprobs)
+
+
+def merge_children(outputs: list[RequestOutput], parents: dict[str, ParentRequest],
+                   parent_of: dict[str, str]) -> list[RequestOutput]:
+    """A step's outputs, where the children of an n > 1 request report only through their parent, once all have
+    finished (LLMEngine's ``parents`` and ``parent_of``, updated here: a child's id stays taken until then)."""
+    merged = []
+    for out in outputs:
+        pid = parent_of.get(out.request_id)
+        if pid is None:
+            merged.append(out)
+        elif out.finished:
+            done = parents[pid].add(out)
+            if done is not None:
+                for c in parents.pop(pid).child_ids:
+                    del parent_of[c]
+                merged.append(done)
+    return merged

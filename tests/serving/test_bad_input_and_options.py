@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from .harness import (API_KEY, CAPITAL_PROMPT, CHAT_CONTENT, COUNT_PROMPT, SEED, SEED_PROMPT, assert_error_shape,
-                      greedy, scrape, val, wait_idle)
+                      greedy, val, wait_idle)
 
 
 # ------------------------------------------------------------------------------------------------ 4. errors
@@ -245,17 +245,17 @@ def test_echo_and_prompt_logprobs(client, http, llm, ref, model_name):
 
 
 def test_n_choices_compute_the_prompt_logprobs_once(client, http, llm, model_name):
-    """With n > 1, only the first choice's request computes the prompt's logprobs; the others read the prompt's
-    blocks from the prefix cache and take its logprobs, streamed (echo) or not."""
-    prompt = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(8))  # ~70 tokens: 4 full blocks
+    """With n > 1, only the first choice's request computes the prompt's logprobs; the others take its prompt K/V
+    (they never look the prompt up) and its logprobs, streamed (echo) or not."""
+    prompt = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(8))  # ~70 tokens
     offline = llm.generate(prompt, greedy(3, prompt_logprobs=1), use_tqdm=False)[0]
     ids, plp = offline.prompt_token_ids, offline.prompt_logprobs
-    full = (len(ids) - 1) // 16 * 16  # the prompt tokens a choice can find in the cache
-    before = scrape(http)
+    before = wait_idle(http)
     r = http.post("/v1/completions", json={"model": model_name, "prompt": prompt, "n": 3, "max_tokens": 3,
                                            "temperature": 0, "prompt_logprobs": 1}).json()
     after = wait_idle(http)
-    assert val(after, "pagellm:prefix_cache_hits_total") - val(before, "pagellm:prefix_cache_hits_total") >= 2 * full
+    queries = "pagellm:prefix_cache_queries_total"
+    assert val(after, queries) - val(before, queries) == len(ids)  # the first choice's lookup alone
     got = [c["prompt_logprobs"] for c in r["choices"]]
     assert got[0] == got[1] == got[2] and len(got[0]) == len(ids)
     for j in range(1, len(ids)):
@@ -331,6 +331,25 @@ def test_n_choices_with_seed(client, ref, model_name):
     top = client.completions.create(**{**kw, "seed": 2**64 - 1})
     assert [c.text for c in sorted(top.choices, key=lambda c: c.index)] == [
         client.completions.create(**{**kw, "n": 1, "seed": s}).choices[0].text for s in (-1, 0)]
+
+
+def test_n_choices_compute_their_prompt_once(http, client, model_name):
+    """Choices 1.. follow choice 0 (share_prompt_with): they take the prompt K/V it computes, so the prompt is
+    looked up in the prefix cache once, not once per choice; streamed too."""
+    before = wait_idle(http)
+    kw = dict(model=model_name, prompt=SEED_PROMPT + " Twice over.", n=3, temperature=0.8, seed=SEED, max_tokens=6)
+    r = client.completions.create(**kw)
+    mid = wait_idle(http)
+    assert len(r.choices) == 3
+    queries = "pagellm:prefix_cache_queries_total"
+    assert val(mid, queries) - val(before, queries) == r.usage.prompt_tokens
+    texts = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    after = wait_idle(http)
+    assert val(after, queries) - val(mid, queries) == r.usage.prompt_tokens
+    assert [texts[i] for i in range(3)] == [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
 
 def test_logit_bias(client, llm, ref, model_name):

@@ -86,17 +86,19 @@ class OpenAIServing:
     def _streams(self, prompts, params: SamplingParams, n: int,
                  cache_salt: str | None) -> list[AsyncIterator[RequestOutput]]:
         """n engine requests per prompt: choice i gets seed + i when a seed is given, and only the first computes
-        the prompt's logprobs (see _Choice.lead)."""
+        the prompt's logprobs (see _Choice.lead) and the prompt's K/V, which the others share (share_prompt_with;
+        submitted in this order, the first reaches the engine first)."""
         gens = []
         for prompt, ids in prompts:
+            first = _rid()
             for i in range(n):
                 p = params
                 if i and params.seed is not None:
                     p = replace(p, seed=offset_seed(params.seed, i))
                 if i and params.prompt_logprobs is not None:
                     p = replace(p, prompt_logprobs=None)
-                gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid(),
-                                                 cache_salt=cache_salt))
+                gens.append(self.engine.generate(prompt, p, prompt_token_ids=ids, request_id=_rid() if i else first,
+                                                 cache_salt=cache_salt, share_prompt_with=first if i else None))
         return gens
 
     async def run(self, prompts, params: SamplingParams, n: int,

@@ -442,7 +442,15 @@ def test_cli_generate_and_bench(gguf_path, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert (res["requests"], res["prompt_tokens"], res["output_tokens"]) == (3, 3 * 24, 3 * 3)
+    # parallel sampling: n sequences a prompt, the prompt computed once (and its last token once per more sample)
+    r = run("bench", "throughput", "--input-len", "24", "--output-len", "3", "--num-prompts", "3", "--n", "4",
+            "--temperature", "0.8", "--dtype", "bfloat16", "--kv-cache-memory", "256MiB", "--no-prefix-caching")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (res["requests"], res["output_tokens"], res["sampling"]["n"]) == (3, 3 * 4 * 3, 4)
+    assert res["prompt_tokens_computed"] == 3 * (24 + 3) and "ttft_ms" not in res
     for args, named in ((["--output-len", "3"], "--input-len"),
+                        (["--input-len", "8", "--output-len", "3", "--n", "0"], "--n"),
                         (["--input-len", "8", "--output-len", "0"], "--output-len"),
                         (["--workload", str(WORKLOAD_16), "--input-len", "8"], "--input-len")):
         r = run("bench", "throughput", *args)  # refused before the model loads

@@ -114,6 +114,8 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     if (a.num_prompts is not None and a.num_prompts < 1) or (a.output_len is not None and a.output_len < 1):
         raise SystemExit(f"bench throughput: --num-prompts and --output-len must be >= 1, got {a.num_prompts} and "
                          f"{a.output_len}")
+    if a.n < 1:
+        raise SystemExit(f"bench throughput: --n must be >= 1, got {a.n}")
     if a.workload:
         if a.input_len is not None or a.random_range_ratio:
             raise SystemExit("bench throughput: --input-len and --random-range-ratio make a random workload; "
@@ -146,7 +148,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
                  use_tqdm=False)
     engine.reset_stats()
 
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=out_len,
+    params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=out_len,
                             ignore_eos=True)
     profiler = _start_profiler() if a.profile else None
     t0 = time.perf_counter()
@@ -154,7 +156,7 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
     wall = time.perf_counter() - t0
     peak = rss.stop()
 
-    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    out_toks = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_toks = sum(len(p) for p in prompts)
     st = engine.stats
     import torch
@@ -171,12 +173,13 @@ def _throughput(a: argparse.Namespace, prefix_caching: bool | None) -> dict:
         "preemptions": st.num_preemptions, "prompt_tokens_computed": st.prompt_tokens_computed,
         "steps": st.num_steps, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "attention_aware_budget": engine.scheduler.attention_keys_per_token is not None,
-        "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k},
+        "sampling": {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "n": a.n},
         "threads": torch.get_num_threads(), "load_s": round(load_s, 2),
         "prefix_caching": engine.config.enable_prefix_caching,
         "prefix_cache_hit_rate": round(engine.kv_manager.prefix_hit_rate, 4),
     }
-    result.update(_latency_stats(prompts, token_times, t0))
+    if a.n == 1:  # (an n > 1 request's output comes when all of its sequences have ended)
+        result.update(_latency_stats(prompts, token_times, t0))
     if profiler is not None:
         result["profile_s"] = _stop_profiler(profiler)
     return result

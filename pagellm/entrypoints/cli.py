@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy, as the workloads specify")
     t.add_argument("--top-p", type=float, default=1.0)
     t.add_argument("--top-k", type=int, default=0)
+    t.add_argument("--n", type=int, default=1, help="sequences per prompt (parallel sampling; its requests report "
+                                                     "when all of their sequences end, so no TTFT or ITL)")
     _engine_args(t)
     from pagellm.entrypoints.bench import cmd_throughput
     t.set_defaults(func=cmd_throughput)

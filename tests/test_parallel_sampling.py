@@ -228,3 +228,20 @@ def test_share_prompt_with(tiny):
                        share_prompt_with="us#0")
     assert _drain(engine) == {"me": [single], "us": [single] * 2}
     assert pool_is_whole(llm)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_samples_in_a_small_pool(tiny, caching):
+    """Many n > 1 requests in a pool that holds a few of them: followers wait, fork, are preempted, and give blocks
+    back, yet every greedy sample is the greedy run of its prompt, and the pool ends whole."""
+    roomy = LLM(model=tiny, dtype="float32", block_size=16, kv_cache_memory="16MiB")
+    small = LLM(model=tiny, dtype="float32", block_size=16, kv_cache_memory=10 * 16 * 512, max_model_len=128,
+                enable_prefix_caching=caching)  # 10 blocks (512 bytes a token's K and V)
+    assert small.llm_engine.kv_manager.num_blocks == 10
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(10, 60))]} for _ in range(6)]
+    singles = [o.outputs[0].token_ids for o in roomy.generate(prompts, _greedy(12), use_tqdm=False)]
+    outs = small.generate(prompts, _greedy(12, n=3), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[s] * 3 for s in singles]
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert pool_is_whole(small) and not small.llm_engine.scheduler.followers
